@@ -1,0 +1,17 @@
+"""kuberl.storage: staging models and checkpoints between object stores and local disks.
+
+The library API the workers share:
+- ``resolve(uri)``: a context manager yielding a local directory for a model URI;
+- ``stage(src, dst)``: verified, parallel, resumable download (``kuberl stage``);
+- ``upload_dir(local, uri)``; ``commit_checkpoint``, ``latest_checkpoint``, ``prune_checkpoints``.
+"""
+
+from kuberl.storage.checkpoints import (checkpoint_dirname, commit_checkpoint, latest_checkpoint,
+                                        prune_checkpoints)
+from kuberl.storage.errors import StorageError
+from kuberl.storage.resolve import resolve
+from kuberl.storage.staging import StageResult, stage
+from kuberl.storage.upload import upload_dir
+
+__all__ = ["StageResult", "StorageError", "checkpoint_dirname", "commit_checkpoint",
+           "latest_checkpoint", "prune_checkpoints", "resolve", "stage", "upload_dir"]

@@ -1,0 +1,121 @@
+"""Checkpoint layout on s3://, gs:// or a local path.
+
+``<root>/step-<9-digit step>/`` holds one checkpoint. It is complete once its ``COMPLETE``
+object (a JSON manifest) exists; COMPLETE is written after every other object is uploaded, and
+``<root>/latest`` (text: the directory name) moves only after COMPLETE, so a reader never picks a
+half-uploaded checkpoint, whatever moment the writer died at.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from kuberl.storage import filesystems
+from kuberl.storage.errors import StorageError, with_retries
+from kuberl.storage.upload import upload_dir
+from kuberl.uri import ParsedURI, parse
+
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step-(\d{9})$")
+
+
+def checkpoint_dirname(step: int) -> str:
+    if not 0 <= step < 10**9:
+        raise ValueError(f"checkpoint step must be in [0, 1e9), got {step}")
+    return f"step-{step:09d}"
+
+
+def _write_small(fs, parsed: ParsedURI, path: str, data: bytes, uri: str) -> None:
+    if parsed.is_cloud:  # an object PUT is atomic
+        with_retries(lambda: fs.pipe_file(path, data), uri=uri)
+        return
+    tmp = Path(path + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def commit_checkpoint(local_dir: str | Path, root_uri: str, step: int) -> str:
+    """Upload ``local_dir`` as checkpoint ``step`` under ``root_uri``; return its URI."""
+    parsed = parse(root_uri, "checkpoint.uri")
+    name = checkpoint_dirname(step)
+    uri = parsed.join(name)
+    records = upload_dir(local_dir, uri)
+    fs = filesystems.filesystem(parsed)
+    root = filesystems.root_path(parsed)
+    manifest = {
+        "step": step,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "total_bytes": sum(r.size for r in records),
+        "files": [asdict(r) for r in records],
+    }
+    _write_small(fs, parsed, f"{root}/{name}/{COMPLETE}",
+                 (json.dumps(manifest, indent=1) + "\n").encode(), uri)
+    _write_small(fs, parsed, f"{root}/{LATEST}", name.encode(), root_uri)
+    return uri
+
+
+def _complete_steps(fs, root: str, uri: str) -> list[int]:
+    found = with_retries(lambda: fs.glob(f"{root}/step-*/{COMPLETE}"), uri=uri)
+    steps = []
+    for path in found:
+        match = _STEP_DIR.match(path.rstrip("/").split("/")[-2])
+        if match:
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def latest_checkpoint(root_uri: str) -> str | None:
+    """The URI of the newest complete checkpoint under ``root_uri``, or None if there is none."""
+    parsed = parse(root_uri, "checkpoint.uri")
+    fs = filesystems.filesystem(parsed)
+    root = filesystems.root_path(parsed)
+    try:
+        pointed = with_retries(lambda: fs.cat_file(f"{root}/{LATEST}"), uri=root_uri)
+    except StorageError:  # no readable pointer: fall back to the listing
+        pointed = b""
+    name = pointed.decode("utf-8", "replace").strip()
+    if _STEP_DIR.match(name) and with_retries(lambda: fs.exists(f"{root}/{name}/{COMPLETE}"),
+                                              uri=root_uri):
+        return parsed.join(name)
+    steps = _complete_steps(fs, root, root_uri)
+    return parsed.join(checkpoint_dirname(steps[-1])) if steps else None
+
+
+def prune_checkpoints(root_uri: str, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` complete checkpoints, and incomplete ones older than
+    the newest complete one (abandoned attempts; a newer incomplete one may still be uploading).
+    Returns the URIs removed."""
+    if keep < 1:
+        raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
+    parsed = parse(root_uri, "checkpoint.uri")
+    fs = filesystems.filesystem(parsed)
+    root = filesystems.root_path(parsed)
+    complete = _complete_steps(fs, root, root_uri)
+    if not complete:
+        return []
+    kept = set(complete[-keep:])
+    try:
+        entries = with_retries(lambda: fs.ls(root, detail=False), uri=root_uri)
+    except StorageError:  # the root vanished since the glob: nothing to prune
+        return []
+    removed = []
+    for entry in sorted(entries):
+        match = _STEP_DIR.match(entry.rstrip("/").split("/")[-1])
+        if not match:
+            continue
+        step = int(match.group(1))
+        if step in kept or (step not in complete and step > complete[-1]):
+            continue
+        path = f"{root}/{checkpoint_dirname(step)}"
+        if step in complete:
+            # COMPLETE goes first, so a half-deleted checkpoint never looks complete.
+            with_retries(lambda: fs.rm_file(f"{path}/{COMPLETE}"), uri=root_uri)
+        with_retries(lambda: fs.rm(path, recursive=True), uri=root_uri)
+        removed.append(parsed.join(checkpoint_dirname(step)))
+    return removed

@@ -1,0 +1,66 @@
+"""fsspec filesystems for parsed URIs, configured only from the environment.
+
+Credentials and endpoints come from the variables an init container gets from a Secret
+(AWS_*, AWS_ENDPOINT_URL[_S3], GOOGLE_APPLICATION_CREDENTIALS, STORAGE_EMULATOR_HOST), never from
+the job spec, so a spec cannot point a worker at someone else's credentials.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import fsspec
+
+from kuberl.uri import ParsedURI
+
+DEFAULT_PVC_ROOT = "/mnt/pvc"
+
+
+def pvc_root() -> Path:
+    """Where pvc://<claim>/... volumes are mounted (env ``KUBERL_PVC_ROOT`` overrides)."""
+    return Path(os.environ.get("KUBERL_PVC_ROOT", DEFAULT_PVC_ROOT))
+
+
+def local_path(parsed: ParsedURI) -> Path:
+    """The on-disk path of a ``file`` or ``pvc`` URI."""
+    if parsed.scheme == "file":
+        return Path(parsed.path)
+    if parsed.scheme == "pvc":
+        return pvc_root() / parsed.bucket / parsed.path
+    raise ValueError(f"{parsed.original!r} is not a local or pvc:// path")
+
+
+def filesystem(parsed: ParsedURI, *, max_connections: int = 32) -> fsspec.AbstractFileSystem:
+    """A fresh fsspec filesystem for ``parsed`` (never fsspec's instance cache: tests and
+    long-lived workers change the environment between calls)."""
+    if parsed.scheme == "s3":
+        import s3fs
+
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        return s3fs.S3FileSystem(
+            endpoint_url=endpoint or None,
+            skip_instance_cache=True,
+            # One HTTP connection per concurrent request; botocore's default pool is 10.
+            config_kwargs={"max_pool_connections": max_connections},
+        )
+    if parsed.scheme == "gs":
+        import gcsfs
+
+        if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
+            token = os.environ["GOOGLE_APPLICATION_CREDENTIALS"]
+        elif os.environ.get("STORAGE_EMULATOR_HOST"):
+            token = "anon"  # emulators take no credentials
+        else:
+            token = None  # gcsfs default chain: workload identity / metadata server
+        return gcsfs.GCSFileSystem(token=token, skip_instance_cache=True)
+    if parsed.scheme in ("file", "pvc"):
+        return fsspec.filesystem("file", skip_instance_cache=True)
+    raise ValueError(f"{parsed.original!r}: no object-store filesystem for scheme {parsed.scheme!r}")
+
+
+def root_path(parsed: ParsedURI) -> str:
+    """The path of the URI's root inside its filesystem."""
+    if parsed.is_cloud:
+        return f"{parsed.bucket}/{parsed.path}".rstrip("/")
+    return str(local_path(parsed))
