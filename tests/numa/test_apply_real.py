@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 def run_python(code: str, env: dict[str, str] | None = None) -> dict:
     """Run ``code`` in a fresh interpreter with kuberl importable; it prints one JSON line."""
     full_env = {**os.environ, **(env or {}), "PYTHONPATH": f"{REPO / 'workloads'}{os.pathsep}{REPO}"}
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=False, capture_output=True, text=True, env=full_env, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 

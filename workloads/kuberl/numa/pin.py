@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -101,7 +102,8 @@ def _pin(local_rank: int, role: str, root: str | os.PathLike[str], environ: Mapp
     return PinDecision(role, local_rank, placement, memory_policy, topology.source)
 
 
-_gauges: dict[int, tuple[object, object]] = {}
+# Per registry, weakly: a registry id() can be reused once the registry is gone.
+_gauges: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def report_metrics(decision: PinDecision, registry: object | None = None) -> bool:
@@ -112,12 +114,12 @@ def report_metrics(decision: PinDecision, registry: object | None = None) -> boo
     except ImportError:
         return False
     registry = REGISTRY if registry is None else registry
-    if id(registry) not in _gauges:
-        _gauges[id(registry)] = (
+    if registry not in _gauges:
+        _gauges[registry] = (
             Gauge("kuberl_numa_node", "NUMA node this process is pinned to (-1: not pinned)", ["role", "rank"], registry=registry),
             Gauge("kuberl_numa_cpus", "CPUs this process is pinned to (0: not pinned)", ["role", "rank"], registry=registry),
         )
-    node_gauge, cpus_gauge = _gauges[id(registry)]
+    node_gauge, cpus_gauge = _gauges[registry]
     labels = {"role": decision.role, "rank": str(decision.local_rank)}
     p = decision.placement
     node_gauge.labels(**labels).set(p.node if p.pinned and p.node is not None else -1)
