@@ -1,0 +1,139 @@
+"""The table of bad RLTrainingJob manifests: each must be rejected with a message naming the field.
+
+Shared by the unit tests (local validation: schema + CEL through cel-python, then the renderer) and
+the cluster tests (the real API server). ``server`` says whether the API server itself must reject
+the case (schema or CEL); the rest are caught by the renderer's deeper checks.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+def minimal_manifest(name: str = "bad-case") -> dict[str, Any]:
+    return {
+        "apiVersion": "kuberl.dev/v1alpha1",
+        "kind": "RLTrainingJob",
+        "metadata": {"name": name},
+        "spec": {
+            "image": "ghcr.io/kuberl/worker:0.1.0",
+            "model": {"uri": "s3://models/tiny"},
+            "data": {"uri": "s3://datasets/train.jsonl"},
+        },
+    }
+
+
+@dataclass(frozen=True)
+class BadManifest:
+    id: str
+    edit: Callable[[dict[str, Any]], None]
+    message: str  # a substring the error must contain (the field, or the rule's message)
+    server: bool = True
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        m = minimal_manifest(self.id.replace("_", "-"))
+        self.edit(m)
+        return m
+
+
+def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(m: dict[str, Any]) -> None:
+        node = m
+        *parents, last = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = copy.deepcopy(value)
+    return edit
+
+
+def _delete(path: str) -> Callable[[dict[str, Any]], None]:
+    def edit(m: dict[str, Any]) -> None:
+        node = m
+        *parents, last = path.split(".")
+        for p in parents:
+            node = node[p]
+        del node[last]
+    return edit
+
+
+def _all(*edits: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    def edit(m: dict[str, Any]) -> None:
+        for e in edits:
+            e(m)
+    return edit
+
+
+BAD_MANIFESTS: list[BadManifest] = [
+    BadManifest("missing_model", _delete("spec.model"), "spec.model"),
+    BadManifest("missing_data", _delete("spec.data"), "spec.data"),
+    BadManifest("missing_image", _delete("spec.image"), "spec.image"),
+    BadManifest("missing_model_uri", _set("spec.model", {"revision": "main"}), "spec.model.uri"),
+    BadManifest("model_uri_unknown_scheme", _set("spec.model.uri", "ftp://host/model"), "spec.model.uri"),
+    BadManifest("model_uri_relative_path", _set("spec.model.uri", "./models/tiny"), "spec.model.uri"),
+    BadManifest("model_uri_bad_bucket", _set("spec.model.uri", "s3://My_Bucket/model"), "spec.model.uri"),
+    BadManifest("data_uri_http", _set("spec.data.uri", "https://example.com/train.jsonl"), "spec.data.uri"),
+    BadManifest("model_uri_dot_segments", _set("spec.model.uri", "s3://models/a/../../etc"),
+                "spec.model.uri", server=False),
+    BadManifest("checkpoint_uri_hf", _set("spec.checkpoint", {"uri": "hf://org/ckpt"}), "spec.checkpoint.uri"),
+    BadManifest("colocate_with_checkpoint_sync",
+                _all(_set("spec.rollout", {"colocate": True}), _set("spec.weightSync", {"method": "checkpoint"})),
+                "rollout.colocate needs weightSync.method ipc or nccl"),
+    BadManifest("ipc_without_colocate", _set("spec.weightSync", {"method": "ipc"}),
+                "weightSync.method ipc needs rollout.colocate"),
+    BadManifest("tp_does_not_divide_rollout_gpus",
+                _set("spec.rollout", {"gpusPerReplica": 3, "tensorParallelSize": 2}),
+                "rollout.tensorParallelSize must divide rollout.gpusPerReplica"),
+    BadManifest("tp_does_not_divide_trainer_gpus_colocated",
+                _all(_set("spec.trainer", {"gpusPerReplica": 6}),
+                     _set("spec.rollout", {"colocate": True, "tensorParallelSize": 4})),
+                "rollout.tensorParallelSize must divide trainer.gpusPerReplica"),
+    BadManifest("colocate_on_cpu",
+                _all(_set("spec.trainer", {"gpusPerReplica": 0, "processesPerReplica": 2}),
+                     _set("spec.rollout", {"colocate": True})),
+                "rollout.colocate needs trainer.gpusPerReplica > 0"),
+    BadManifest("resume_keyword_unknown", _set("spec.checkpoint", {"resume": "latest"}),
+                "checkpoint.resume must be auto, never, or the URI"),
+    BadManifest("resume_equals_root",
+                _set("spec.checkpoint", {"uri": "s3://ckpt/run1", "resume": "s3://ckpt/run1"}),
+                "checkpoint.resume names the checkpoint root itself"),
+    BadManifest("export_without_uri", _set("spec.checkpoint", {"exportHuggingFace": True}),
+                "checkpoint.exportHuggingFace needs checkpoint.uri"),
+    BadManifest("reward_both", _set("spec.reward", {"builtin": "math_exact_match", "function": "my.mod:fn"}),
+                "reward: set exactly one of builtin or function"),
+    BadManifest("reward_neither", _set("spec.reward", {}), "reward: set exactly one of builtin or function"),
+    BadManifest("reward_function_malformed", _set("spec.reward", {"function": "my reward"}), "spec.reward.function"),
+    BadManifest("reward_builtin_unknown", _set("spec.reward", {"builtin": "bleu"}), "spec.reward.builtin"),
+    BadManifest("clip_high_below_low", _set("spec.algorithm", {"clipRatioLow": 0.3, "clipRatioHigh": 0.1}),
+                "algorithm.clipRatioHigh must be >= algorithm.clipRatioLow"),
+    BadManifest("micro_batch_does_not_divide",
+                _set("spec.algorithm", {"promptsPerStep": 3, "groupSize": 3, "microBatchSize": 2}),
+                "algorithm.microBatchSize must divide"),
+    BadManifest("samples_not_divisible_by_ranks",
+                _all(_set("spec.algorithm", {"promptsPerStep": 3, "groupSize": 3, "microBatchSize": 1}),
+                     _set("spec.trainer", {"gpusPerReplica": 2})),
+                "must be divisible by the number of trainer processes"),
+    BadManifest("group_size_one", _set("spec.algorithm", {"groupSize": 1}), "spec.algorithm.groupSize"),
+    BadManifest("learning_rate_zero", _set("spec.algorithm", {"learningRate": 0}), "spec.algorithm.learningRate"),
+    BadManifest("gpu_memory_utilization_over_one", _set("spec.rollout", {"gpuMemoryUtilization": 1.5}),
+                "spec.rollout.gpuMemoryUtilization"),
+    BadManifest("numa_fractional_cpu",
+                _set("spec.trainer", {"gpusPerReplica": 8, "resources": {"cpu": "7500m", "memory": "64Gi"}}),
+                "numa.policy gpu-local needs an integer trainer.resources.cpu"),
+    BadManifest("memory_not_a_quantity", _set("spec.trainer", {"resources": {"cpu": "8", "memory": "lots"}}),
+                "spec.trainer.resources.memory"),
+    BadManifest("unknown_field", _set("spec.trainr", {"replicas": 2}), "spec.trainr"),
+    BadManifest("name_too_long", _set("metadata.name", "a" * 41), "metadata.name must be at most 40 characters"),
+    BadManifest("strategy_unknown", _set("spec.trainer", {"strategy": "ddp"}), "spec.trainer.strategy"),
+    BadManifest("sync_method_unknown", _set("spec.weightSync", {"method": "rdma"}), "spec.weightSync.method"),
+    BadManifest("secret_name_invalid", _set("spec.model.credentials", {"name": "My_Secret"}),
+                "spec.model.credentials.name"),
+    BadManifest("backoff_limit_negative", _set("spec.backoffLimit", -1), "spec.backoffLimit"),
+    BadManifest("ttl_negative", _set("spec.ttlSecondsAfterFinished", -5), "spec.ttlSecondsAfterFinished"),
+    BadManifest("toleration_operator_unknown",
+                _set("spec.scheduling", {"tolerations": [{"key": "gpu", "operator": "Maybe"}]}),
+                "spec.scheduling.tolerations[0].operator"),
+    BadManifest("trainer_replicas_zero", _set("spec.trainer", {"replicas": 0}), "spec.trainer.replicas"),
+]

@@ -1,0 +1,26 @@
+"""Every bad manifest is rejected locally (schema + CEL via cel-python, then the renderer) with a
+message naming the field; the same table runs against the real API server in tests/cluster."""
+
+import pytest
+
+from kuberl.api.validate import ManifestError
+from kuberl.render import render_manifest
+from kuberl.uri import URIError
+from tests.api.bad_manifests import BAD_MANIFESTS, minimal_manifest
+
+
+def test_the_table_is_large_enough():
+    assert len(BAD_MANIFESTS) >= 25
+    assert len({c.id for c in BAD_MANIFESTS}) == len(BAD_MANIFESTS)
+
+
+def test_the_minimal_manifest_is_valid():
+    objects = render_manifest(minimal_manifest())
+    assert [o["kind"] for o in objects] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "RayJob"]
+
+
+@pytest.mark.parametrize("case", BAD_MANIFESTS, ids=lambda c: c.id)
+def test_bad_manifest_is_rejected_naming_the_field(case):
+    with pytest.raises((ManifestError, URIError)) as info:
+        render_manifest(case.manifest)
+    assert case.message in str(info.value)

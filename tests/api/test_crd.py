@@ -1,0 +1,62 @@
+"""The committed CRD (and the chart's copy) is exactly what the API types generate, and it is a
+structural schema the API server accepts."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kuberl.api.crd import CRD_PATHS, generate_crd, render_crd_yaml
+
+REGENERATE = "run `python -m kuberl.api.crd --write` and commit the result"
+
+
+@pytest.mark.parametrize("path", CRD_PATHS, ids=lambda p: str(p.relative_to(p.parents[2])))
+def test_committed_crd_matches_the_types(path: Path):
+    assert path.exists(), f"{path} is missing: {REGENERATE}"
+    assert path.read_text() == render_crd_yaml(), f"{path} is stale: {REGENERATE}"
+
+
+def _walk(node, path="schema"):
+    yield path, node
+    for key, sub in node.get("properties", {}).items():
+        yield from _walk(sub, f"{path}.{key}")
+    if isinstance(node.get("items"), dict):
+        yield from _walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _walk(node["additionalProperties"], f"{path}{{}}")
+
+
+def test_schema_is_structural():
+    schema = generate_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    for path, node in _walk(schema):
+        assert "type" in node, f"{path} has no type"
+        for forbidden in ("$ref", "$defs", "anyOf", "oneOf", "allOf", "const", "title"):
+            assert forbidden not in node, f"{path} has {forbidden}"
+        if node.get("exclusiveMinimum") is not None:
+            assert node["exclusiveMinimum"] is True and "minimum" in node, path
+
+
+def test_defaults_fill_a_minimal_spec_the_way_the_api_server_would():
+    from kuberl.api.validate import _schema, apply_defaults
+
+    spec = apply_defaults({"model": {"uri": "s3://b/m"}, "data": {"uri": "s3://b/d"}, "image": "i"},
+                          _schema()["properties"]["spec"])
+    assert spec["trainer"]["resources"] == {"cpu": "8", "memory": "64Gi"}
+    assert spec["head"]["resources"] == {"cpu": "2", "memory": "8Gi"}
+    assert spec["reward"] == {"builtin": "math_exact_match"}
+    assert spec["checkpoint"]["resume"] == "auto"
+
+
+def test_crd_names_and_printer_columns():
+    crd = yaml.safe_load(render_crd_yaml())
+    names = crd["spec"]["names"]
+    assert (names["kind"], names["plural"], names["shortNames"]) == ("RLTrainingJob", "rltrainingjobs", ["rltj"])
+    version = crd["spec"]["versions"][0]
+    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Phase"] == ".status.phase"
+    assert columns["Step"] == ".status.progress.step"
+    assert columns["Total"] == ".spec.algorithm.totalSteps"
+    assert columns["Reward"] == ".status.progress.reward"
+    assert columns["Age"] == ".metadata.creationTimestamp"

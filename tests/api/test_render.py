@@ -1,0 +1,219 @@
+"""`kuberl render` output for every example validates against KubeRay v1.7.0's RayJob CRD schema and
+the Kubernetes OpenAPI schemas, and carries the security and placement properties the design asks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from kuberl.api.validate import validate_manifest
+from kuberl.cli import main as kuberl_main
+from kuberl.render import render, render_manifest
+from tests.api.bad_manifests import minimal_manifest
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+KUBERAY = REPO.parent / "shared" / "kuberay"
+K8S_VERSION = "1.35.0"
+
+
+def _crd_schema(name: str) -> dict[str, Any]:
+    crd = yaml.safe_load((KUBERAY / name).read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return version["schema"]["openAPIV3Schema"]
+
+
+def _unknown_fields(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Fields the API server would reject under kubectl's strict field validation."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    out = []
+    if isinstance(value, dict):
+        props = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        for key, sub in value.items():
+            if props is not None and key in props:
+                out += _unknown_fields(sub, props[key], f"{path}.{key}")
+            elif isinstance(extra, dict):
+                out += _unknown_fields(sub, extra, f"{path}.{key}")
+            elif props is not None:
+                out.append(f"{path}.{key}")
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            out += _unknown_fields(item, schema["items"], f"{path}[{i}]")
+    return out
+
+
+def _rendered(example: Path) -> list[dict[str, Any]]:
+    return render_manifest(yaml.safe_load(example.read_text()))
+
+
+def _by_kind(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {o["kind"]: o for o in objects}
+
+
+def _pods(ray_job: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    cluster = ray_job["spec"]["rayClusterSpec"]
+    pods = {"head": cluster["headGroupSpec"]["template"]["spec"]}
+    pods.update({g["groupName"]: g["template"]["spec"] for g in cluster["workerGroupSpecs"]})
+    return pods
+
+
+def test_there_are_the_three_documented_examples():
+    assert {p.name for p in EXAMPLES} >= {"grpo-tiny-cpu.yaml", "grpo-qwen3-moe.yaml", "grpo-colocated.yaml"}
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_ray_job_validates_against_kuberay_crd(example):
+    ray_job = _by_kind(_rendered(example))["RayJob"]
+    schema = _crd_schema("ray.io_rayjobs.yaml")
+    jsonschema.validate(ray_job, schema, cls=jsonschema.Draft7Validator)
+    assert _unknown_fields(ray_job, schema) == []
+    cluster_schema = _crd_schema("ray.io_rayclusters.yaml")["properties"]["spec"]
+    assert _unknown_fields(ray_job["spec"]["rayClusterSpec"], cluster_schema) == []
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_core_objects_validate_against_kubernetes_openapi(example):
+    for obj in _rendered(example):
+        if obj["kind"] != "RayJob":
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    # The pod templates inside the RayJob are core PodTemplateSpecs.
+    for name, pod in _pods(_by_kind(_rendered(example))["RayJob"]).items():
+        template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name},
+                    "template": {"spec": pod}}
+        kubernetes_validate.validate(template, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_cli_render_prints_the_same_objects(example, capsys):
+    assert kuberl_main(["render", "-f", str(example)]) == 0
+    printed = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert printed == _rendered(example)
+
+
+def test_cli_render_reports_the_field_and_exits_non_zero(tmp_path, capsys):
+    bad = minimal_manifest()
+    bad["spec"]["rollout"] = {"gpusPerReplica": 3, "tensorParallelSize": 2}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    assert kuberl_main(["render", "-f", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "spec.rollout.tensorParallelSize" in err and "must divide" in err
+
+
+def test_workload_identity_may_only_patch_its_own_status():
+    objs = _by_kind(render_manifest(minimal_manifest("job-a")))
+    assert objs["Role"]["rules"] == [{
+        "apiGroups": ["kuberl.dev"], "resources": ["rltrainingjobs/status"],
+        "resourceNames": ["job-a"], "verbs": ["patch"],
+    }]
+    assert objs["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": "job-a-workload",
+                                               "namespace": "default"}]
+    for pod in _pods(objs["RayJob"]).values():
+        assert pod["serviceAccountName"] == "job-a-workload"
+
+
+def test_owner_references_when_the_job_has_a_uid():
+    manifest = minimal_manifest("owned")
+    manifest["metadata"].update(uid="0b5e1c52-6f2a-4d8e-9d55-1f1f0e2b9d11", namespace="team-a")
+    for obj in render_manifest(manifest):
+        assert obj["metadata"]["namespace"] == "team-a"
+        assert obj["metadata"]["labels"]["kuberl.dev/job"] == "owned"
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref == {"apiVersion": "kuberl.dev/v1alpha1", "kind": "RLTrainingJob", "name": "owned",
+                       "uid": "0b5e1c52-6f2a-4d8e-9d55-1f1f0e2b9d11", "controller": True,
+                       "blockOwnerDeletion": True}
+    assert all("ownerReferences" not in o["metadata"] for o in render_manifest(minimal_manifest()))
+
+
+def test_model_credentials_reach_only_init_containers():
+    manifest = yaml.safe_load((REPO / "examples" / "grpo-colocated.yaml").read_text())
+    pods = _pods(_by_kind(render_manifest(manifest))["RayJob"])
+    for pod in pods.values():
+        stage = {c["name"]: c for c in pod["initContainers"]}
+        assert stage["stage-model"]["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+        for container in pod["containers"]:
+            secrets = [e["secretRef"]["name"] for e in container.get("envFrom", [])]
+            assert "hf-token" not in secrets
+            assert secrets == ["gcs-creds"]  # checkpoint credentials: the trainer uploads checkpoints
+
+
+def test_gpu_requests_groups_and_guaranteed_qos_for_numa():
+    manifest = yaml.safe_load((REPO / "examples" / "grpo-qwen3-moe.yaml").read_text())
+    ray_job = _by_kind(render_manifest(manifest))["RayJob"]
+    groups = {g["groupName"]: g for g in ray_job["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
+    assert set(groups) == {"trainer", "rollout"}
+    assert groups["trainer"]["replicas"] == 2
+    assert json.loads(groups["rollout"]["rayStartParams"]["resources"]) == {"kuberl_rollout": 4}
+    for group in groups.values():
+        (container,) = group["template"]["spec"]["containers"]
+        res = container["resources"]
+        assert res["limits"]["nvidia.com/gpu"] == 8
+        assert res["requests"] == res["limits"], "Guaranteed QoS needs requests == limits"
+        assert {"name": "KUBERL_NUMA_POLICY", "value": "gpu-local"} in container["env"]
+        assert {"name": "KUBERL_CHECKPOINT_PATH", "value": "/kuberl/checkpoint"} in container["env"] \
+            or group["groupName"] == "rollout"
+
+
+def test_colocated_job_has_no_rollout_group():
+    manifest = yaml.safe_load((REPO / "examples" / "grpo-colocated.yaml").read_text())
+    ray_job = _by_kind(render_manifest(manifest))["RayJob"]
+    (group,) = ray_job["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert group["groupName"] == "trainer"
+    assert json.loads(group["rayStartParams"]["resources"]) == {"kuberl_trainer": 8, "kuberl_rollout": 8}
+
+
+def test_checkpoint_is_staged_only_when_resuming():
+    manifest = yaml.safe_load((REPO / "examples" / "grpo-qwen3-moe.yaml").read_text())
+    job = validate_manifest(manifest)
+    trainer = _pods(_by_kind(render(job))["RayJob"])["trainer"]
+    stage = {c["name"]: c["args"] for c in trainer["initContainers"]}
+    assert stage["stage-checkpoint"] == ["stage", "--checkpoint", "s3://my-checkpoints/grpo-qwen3-moe",
+                                         "/kuberl/checkpoint"]
+    manifest["spec"]["checkpoint"]["resume"] = "never"
+    trainer = _pods(_by_kind(render_manifest(manifest))["RayJob"])["trainer"]
+    assert "stage-checkpoint" not in {c["name"] for c in trainer["initContainers"]}
+
+
+def test_restart_attempt_resumes_from_the_given_checkpoint():
+    manifest = yaml.safe_load((REPO / "examples" / "grpo-qwen3-moe.yaml").read_text())
+    ckpt = "s3://my-checkpoints/grpo-qwen3-moe/step-000000100"
+    objs = _by_kind(render_manifest(manifest, resume_from=ckpt, attempt=2))
+    assert objs["RayJob"]["metadata"]["name"] == "grpo-qwen3-moe-r2"
+    config = yaml.safe_load(objs["ConfigMap"]["data"]["job.yaml"])
+    assert config["metadata"]["annotations"] == {"kuberl.dev/attempt": "2", "kuberl.dev/resume-from": ckpt}
+    trainer = _pods(objs["RayJob"])["trainer"]
+    stage = {c["name"]: c["args"] for c in trainer["initContainers"]}
+    assert stage["stage-checkpoint"][2] == ckpt
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_config_map_holds_the_resolved_job_in_the_same_types(example):
+    config_map = _by_kind(_rendered(example))["ConfigMap"]
+    config = yaml.safe_load(config_map["data"]["job.yaml"])
+    reloaded = validate_manifest(config)
+    assert reloaded.spec == validate_manifest(yaml.safe_load(example.read_text())).spec
+
+
+def test_pvc_and_local_models_are_mounted_not_staged():
+    manifest = minimal_manifest("pvc-job")
+    manifest["spec"]["model"]["uri"] = "pvc://models/qwen/7b"
+    manifest["spec"]["data"]["uri"] = "/opt/data/train.jsonl"
+    pods = _pods(_by_kind(render_manifest(manifest))["RayJob"])
+    for role, pod in pods.items():
+        assert not any(c["name"] == "stage-model" for c in pod["initContainers"])
+        (container,) = pod["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["KUBERL_MODEL_PATH"] == "/mnt/pvc/models/qwen/7b"
+        assert {"name": "pvc-models", "mountPath": "/mnt/pvc/models", "readOnly": True} in container["volumeMounts"]
+        assert {"name": "pvc-models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} \
+            in pod["volumes"]
+        if role == "head":
+            assert env["KUBERL_DATA_PATH"] == "/opt/data/train.jsonl"

@@ -1,0 +1,131 @@
+"""Validates an RLTrainingJob manifest the way the API server does, without an API server.
+
+Order as in the API server: structural defaults from the generated schema, then the schema's
+field rules (pydantic, the same types the schema came from), then the CEL rules
+(``x-kubernetes-validations``) evaluated with cel-python. ``kuberl render``, the operator and the
+driver call this, so a manifest is judged the same with and without Kubernetes.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import lru_cache
+from typing import Any
+
+import celpy
+from pydantic import ValidationError
+
+from kuberl.api.crd import openapi_schema
+from kuberl.api.types import RLTrainingJob
+from kuberl.uri import URIError, parse
+
+
+class ManifestError(ValueError):
+    """A manifest is invalid; ``errors`` lists one "field: what is wrong" line per problem."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__("invalid RLTrainingJob:\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+@lru_cache(maxsize=1)
+def _schema() -> dict[str, Any]:
+    return openapi_schema()
+
+
+def apply_defaults(value: Any, schema: dict[str, Any]) -> Any:
+    """Fill in schema defaults recursively, as the API server does for structural schemas."""
+    if isinstance(value, dict) and "properties" in schema:
+        for name, sub in schema["properties"].items():
+            if name not in value and "default" in sub:
+                value[name] = copy.deepcopy(sub["default"])
+            if name in value:
+                value[name] = apply_defaults(value[name], sub)
+    elif isinstance(value, list) and "items" in schema:
+        return [apply_defaults(v, schema["items"]) for v in value]
+    return value
+
+
+def _field_errors(manifest: dict[str, Any]) -> list[str]:
+    try:
+        RLTrainingJob.model_validate(manifest)
+    except ValidationError as exc:
+        return [f"{_path(err['loc'])}: {_plain(err)}" for err in exc.errors()]
+    return []
+
+
+def _path(loc: tuple) -> str:
+    """A pydantic error location as Kubernetes writes field paths: spec.items[0].name."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _plain(err: dict[str, Any]) -> str:
+    if err["type"] == "extra_forbidden":
+        return "unknown field (check its spelling and indentation)"
+    if err["type"] == "missing":
+        return "required field is missing"
+    return err["msg"]
+
+
+@lru_cache(maxsize=256)
+def _program(expr: str) -> celpy.Runner:
+    env = celpy.Environment()
+    return env.program(env.compile(expr))
+
+
+def _cel_errors(value: Any, schema: dict[str, Any], path: str) -> list[str]:
+    errors = []
+    for rule in schema.get("x-kubernetes-validations", []):
+        result = _program(rule["rule"]).evaluate({"self": celpy.json_to_cel(value)})
+        if isinstance(result, Exception) or not bool(result):
+            where = path + rule.get("fieldPath", "")
+            errors.append(f"{where}: {rule['message']}")
+    if isinstance(value, dict):
+        for name, sub in schema.get("properties", {}).items():
+            if name in value:
+                errors += _cel_errors(value[name], sub, f"{path}.{name}" if path else name)
+    elif isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            errors += _cel_errors(item, schema["items"], f"{path}[{i}]")
+    return errors
+
+
+def validate_manifest(manifest: dict[str, Any]) -> RLTrainingJob:
+    """Default and validate ``manifest``; return the typed job or raise ManifestError."""
+    if not isinstance(manifest, dict):
+        raise ManifestError([f"the manifest must be a mapping, not {type(manifest).__name__}"])
+    if manifest.get("kind") != "RLTrainingJob":
+        raise ManifestError([f"kind: expected RLTrainingJob, got {manifest.get('kind')!r}"])
+    defaulted = apply_defaults(copy.deepcopy(manifest), _schema())
+    errors = _field_errors(defaulted)
+    if errors:
+        raise ManifestError(errors)
+    errors = _cel_errors(defaulted, _schema(), "")
+    if errors:
+        raise ManifestError(errors)
+    job = RLTrainingJob.model_validate(defaulted)
+    errors = _uri_errors(job)
+    if errors:
+        raise ManifestError(errors)
+    return job
+
+
+def _uri_errors(job: RLTrainingJob) -> list[str]:
+    """What a regular expression cannot say about a URI (e.g. '..' segments), field by field."""
+    spec = job.spec
+    named = {"spec.model.uri": spec.model.uri, "spec.data.uri": spec.data.uri,
+             "spec.checkpoint.uri": spec.checkpoint.uri}
+    if spec.checkpoint.resume not in ("auto", "never"):
+        named["spec.checkpoint.resume"] = spec.checkpoint.resume
+    errors = []
+    for field, value in named.items():
+        if value is None:
+            continue
+        try:
+            parse(value, field)
+        except URIError as exc:
+            errors.append(str(exc))
+    return errors

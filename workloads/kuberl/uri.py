@@ -1,0 +1,127 @@
+"""Parsing of the storage URIs a job names (model, data, checkpoints).
+
+Pure and dependency-free: the API types, the renderer, the stager and the workers all use it,
+so a URI means the same thing everywhere.
+
+Accepted forms:
+- ``s3://bucket/prefix``, ``gs://bucket/prefix`` (cloud object stores, through fsspec)
+- ``hf://org/name`` or ``hf://org/name@revision`` and bare Hugging Face ids such as
+  ``Qwen/Qwen2.5-1.5B-Instruct`` (neither local nor cloud: fetched with huggingface_hub)
+- ``pvc://claim/path`` (a PersistentVolumeClaim mounted into the pod)
+- absolute local paths (already in the image or on a mounted volume)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+Scheme = Literal["s3", "gs", "hf", "pvc", "file"]
+
+CLOUD_SCHEMES: tuple[str, ...] = ("s3", "gs")
+KNOWN_SCHEMES: tuple[str, ...] = ("s3://", "gs://", "hf://", "pvc://", "/")
+
+# A Hugging Face repo id: "name" or "org/name"; letters, digits, '-', '_', '.'.
+_HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+# S3 and GCS bucket names: lowercase letters, digits, '-', '.', '_' (GCS), 3-63 chars.
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
+# A Kubernetes object name (DNS-1123 subdomain) for PVC claims.
+_DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+# The same rules as one OpenAPI pattern (RE2, no look-around), so that the API server rejects
+# unknown schemes and bad bucket or claim names before the operator sees the job.
+_BUCKET_RE = r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]"
+_HF_RE = r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?"
+URI_PATTERN = (
+    rf"^((s3|gs)://{_BUCKET_RE}(/\S*)?"
+    rf"|hf://{_HF_RE}(@\S+)?"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*(/\S*)?"
+    r"|/\S*"
+    rf"|{_HF_RE}(@\S+)?)$"
+)
+# Where checkpoints may be written: object stores, a PVC or a mounted path (not the Hub).
+CHECKPOINT_URI_PATTERN = (
+    rf"^((s3|gs)://{_BUCKET_RE}(/\S*)?"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*(/\S*)?"
+    r"|/\S*)$"
+)
+
+
+class URIError(ValueError):
+    """A URI a user wrote is malformed; the message says what is wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class ParsedURI:
+    scheme: Scheme
+    # s3/gs: bucket; hf: repo id ("org/name"); pvc: claim name; file: "".
+    bucket: str
+    # s3/gs/pvc: the key prefix / path inside the bucket or claim, without leading '/';
+    # file: the absolute path; hf: subfolder ("" for the whole repo).
+    path: str
+    revision: str | None = None
+    original: str = ""
+
+    @property
+    def is_cloud(self) -> bool:
+        return self.scheme in CLOUD_SCHEMES
+
+    @property
+    def fsspec_url(self) -> str:
+        """The URL fsspec understands for cloud schemes."""
+        if not self.is_cloud:
+            raise URIError(f"{self.original!r} is not a cloud object-store URI")
+        return f"{self.scheme}://{self.bucket}/{self.path}".rstrip("/")
+
+    def join(self, *parts: str) -> str:
+        """A child URI, e.g. ``parse("s3://b/ckpt").join("step-1")`` -> ``"s3://b/ckpt/step-1"``."""
+        tail = "/".join(p.strip("/") for p in parts if p.strip("/"))
+        base = self.original.rstrip("/")
+        return f"{base}/{tail}" if tail else base
+
+
+def parse(uri: str, field: str = "uri") -> ParsedURI:
+    """Parse ``uri``; raise URIError naming ``field`` and the accepted forms when it is bad."""
+    if not isinstance(uri, str) or not uri.strip():
+        raise URIError(f"{field}: must be a non-empty URI ({_FORMS})")
+    if uri != uri.strip() or any(c.isspace() for c in uri):
+        raise URIError(f"{field}: {uri!r} contains whitespace")
+    if "://" in uri:
+        scheme, rest = uri.split("://", 1)
+        if scheme in CLOUD_SCHEMES:
+            bucket, _, path = rest.partition("/")
+            if not _BUCKET.match(bucket):
+                raise URIError(f"{field}: {uri!r} has no valid bucket name after {scheme}:// "
+                               f"(lowercase letters, digits, '-', '.', 3-63 characters)")
+            _reject_dot_segments(uri, path, field)
+            return ParsedURI(scheme, bucket, path.strip("/"), None, uri)  # type: ignore[arg-type]
+        if scheme == "hf":
+            repo, _, revision = rest.partition("@")
+            if not _HF_ID.match(repo):
+                raise URIError(f"{field}: {uri!r} is not hf://org/name[@revision]")
+            return ParsedURI("hf", repo, "", revision or None, uri)
+        if scheme == "pvc":
+            claim, _, path = rest.partition("/")
+            if not _DNS1123.match(claim):
+                raise URIError(f"{field}: {uri!r}: the claim name {claim!r} is not a valid "
+                               f"Kubernetes name (pvc://claim-name/path)")
+            _reject_dot_segments(uri, path, field)
+            return ParsedURI("pvc", claim, path.strip("/"), None, uri)
+        raise URIError(f"{field}: unknown scheme {scheme + '://'!r} in {uri!r} ({_FORMS})")
+    if uri.startswith("/"):
+        _reject_dot_segments(uri, uri, field)
+        return ParsedURI("file", "", uri, None, uri)
+    repo, _, revision = uri.partition("@")
+    if _HF_ID.match(repo) and not repo.startswith("."):
+        return ParsedURI("hf", repo, "", revision or None, uri)
+    raise URIError(f"{field}: {uri!r} is neither an absolute path nor a known URI ({_FORMS})")
+
+
+def _reject_dot_segments(uri: str, path: str, field: str) -> None:
+    if any(seg in (".", "..") for seg in path.split("/")):
+        raise URIError(f"{field}: {uri!r} contains '.' or '..' path segments; write the path plainly")
+
+
+_FORMS = ("s3://bucket/prefix, gs://bucket/prefix, hf://org/name[@revision], a Hugging Face id "
+          "like Qwen/Qwen2.5-1.5B-Instruct, pvc://claim/path, or an absolute path")
