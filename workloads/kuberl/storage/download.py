@@ -62,7 +62,8 @@ def list_source(fs: fsspec.AbstractFileSystem, parsed: ParsedURI, root: str, uri
         listing = with_retries(lambda: fs.find(root, detail=True, withdirs=False), uri=uri,
                                attempts=attempts, log=log.warning)
     except StorageError as exc:
-        if parsed.is_cloud and not _bucket_exists(fs, parsed, uri, attempts):
+        if parsed.is_cloud and isinstance(exc.__cause__, FileNotFoundError) \
+                and not _bucket_exists(fs, parsed, uri, attempts):
             raise StorageError(f"{uri}: bucket {parsed.bucket!r} does not exist (or these "
                                f"credentials cannot see it); check the bucket name") from exc
         raise
