@@ -90,9 +90,10 @@ class RewardSpec(APIModel):
         rule("has(self.builtin) != has(self.function)",
              "reward: set exactly one of builtin or function"),
     ))
-    builtin: Literal["math_exact_match", "count_letters"] | None = Field(
+    builtin: Literal["math_exact_match", "repeat_letter"] | None = Field(
         None, description="A built-in reward: math_exact_match (\\boxed{} or last number equals the "
-                          "answer) or count_letters (a toy verifiable task).")
+                          "answer) or repeat_letter (a toy verifiable task: the share of response "
+                          "characters equal to the answer letter).")
     function: str | None = Field(
         None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$",
         description="An importable reward function, module.path:function, called with "
