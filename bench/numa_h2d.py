@@ -28,7 +28,7 @@ def measure(config: str, size_gib: float, reps: int) -> dict:
     info: dict = {"config": config, "node": None, "cpus": "inherited", "memory": "default"}
     if config == "gpu-local":
         decision = pin_current_process(0, "gpu-local", role="bench")
-        info.update(node=decision.placement.node, memory=decision.memory_policy,
+        info.update(node=decision.placement.node if decision.pinned else None, memory=decision.memory_policy,
                     cpus=format_cpulist(decision.placement.cpus) if decision.pinned else f"not pinned: {decision.placement.reason}")
     elif config == "remote":
         topology = discover()
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'config':<10} {'node':>4} {'median GB/s':>12} {'min':>7} {'max':>7}  cpus / memory policy")
     for config in configs:
         r = best[config]
-        print(f"{config:<10} {r['node']!s:>4} {r['median_gbps']:>12.2f} {r['min_gbps']:>7.2f} {r['max_gbps']:>7.2f}  {r['cpus']} / {r['memory']}")
+        print(f"{config:<10} {'-' if r['node'] is None else r['node']:>4} {r['median_gbps']:>12.2f} {r['min_gbps']:>7.2f} {r['max_gbps']:>7.2f}  {r['cpus']} / {r['memory']}")
     ratio = best["gpu-local"]["median_gbps"] / best["unpinned"]["median_gbps"]
     note = "" if len(cpu_nodes) > 1 else " (one NUMA node: pinning is a no-op, no difference expected)"
     if args.json:
