@@ -143,3 +143,18 @@ def test_bad_cuda_visible_devices_names_the_variable(tmp_path, cvd, message):
     with pytest.raises(NumaError, match="CUDA_VISIBLE_DEVICES") as info:
         discover(root, {"CUDA_VISIBLE_DEVICES": cvd})
     assert message in str(info.value)
+
+
+def test_torch_devices_are_placed_among_all_pci_gpus(tmp_path):
+    """Without NVML, torch lists only CUDA_VISIBLE_DEVICES' GPUs; aligned with the PCI bus, a
+    process that sees GPUs 6 and 2 still gets their blocks, not whole nodes."""
+    from kuberl.numa.topology import align_cuda_to_pci, gpus_from_sysfs
+
+    machine = hgx_h100_2socket()
+    pci = gpus_from_sysfs(machine.write(tmp_path))
+    cuda = [("0000:cb:00.0", machine.uuid(6)), ("0000:4c:00.0", None)]
+    listed, visible = align_cuda_to_pci(cuda, pci)
+    assert listed == pci and visible == (6, 2)
+    # A device the PCI listing lacks: torch's own list, in CUDA order.
+    alone = [("0001:00:00.0", None)]
+    assert align_cuda_to_pci(alone, pci) == (alone, (0,))

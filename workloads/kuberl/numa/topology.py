@@ -271,6 +271,22 @@ def resolve_visible(gpus: tuple[Gpu, ...], cuda_visible_devices: str | None) -> 
     return tuple(visible)
 
 
+def align_cuda_to_pci(
+    cuda: list[tuple[str, str | None]], pci: list[tuple[str, str | None]]
+) -> tuple[list[tuple[str, str | None]], tuple[int, ...]]:
+    """Place torch's CUDA devices among every GPU on the PCI bus, so that the GPUs sharing a
+    node's CPUs are all the node's GPUs even when this process sees one of them (a Ray actor).
+    Returns (GPU list, CUDA device i -> index in it); torch's own list when a device is missing
+    from the PCI list."""
+    index = {bdf: i for i, (bdf, _) in enumerate(pci)}
+    if not all(bdf in index for bdf, _ in cuda):
+        return cuda, tuple(range(len(cuda)))
+    merged = list(pci)
+    for bdf, uuid in cuda:
+        merged[index[bdf]] = (bdf, uuid or pci[index[bdf]][1])
+    return merged, tuple(index[bdf] for bdf, _ in cuda)
+
+
 # --- discovery ----------------------------------------------------------------------------
 
 
@@ -285,17 +301,17 @@ def discover(
     real_machine = root_path.resolve() == Path("/")
     environ = os.environ if environ is None else environ
 
-    listed, source, cuda_ordered = None, "sysfs", False
-    if real_machine:
-        listed, source = gpus_from_nvml(), "nvml"
-        if listed is None:
-            listed, source, cuda_ordered = gpus_from_torch(), "torch", True
+    listed, source = (gpus_from_nvml() if real_machine else None), "nvml"
+    cuda = gpus_from_torch() if real_machine and listed is None else None
     if listed is None:
-        listed, source, cuda_ordered = gpus_from_sysfs(root_path), "sysfs", False
-
+        listed, source = gpus_from_sysfs(root_path), "sysfs"
+    if cuda is not None:
+        # torch has already applied CUDA_VISIBLE_DEVICES: its device i is CUDA device i.
+        listed, visible = align_cuda_to_pci(cuda, listed)
+        source = "torch"
     gpus = tuple(Gpu(bdf, uuid, read_numa_node(root_path, bdf)) for bdf, uuid in listed)
-    # torch has already applied CUDA_VISIBLE_DEVICES: its device i is CUDA device i.
-    visible = tuple(range(len(gpus))) if cuda_ordered else resolve_visible(gpus, environ.get("CUDA_VISIBLE_DEVICES"))
+    if cuda is None:
+        visible = resolve_visible(gpus, environ.get("CUDA_VISIBLE_DEVICES"))
 
     node_cpus = read_node_cpus(root_path)
     all_cpus = frozenset().union(*node_cpus.values()) if node_cpus else frozenset()
