@@ -38,14 +38,6 @@ class Placement:
     def pinned(self) -> bool:
         return bool(self.cpus)
 
-    def describe(self) -> str:
-        if not self.pinned:
-            return f"local_rank={self.local_rank} gpu={self.gpu_bdf} not pinned: {self.reason}"
-        return (
-            f"local_rank={self.local_rank} gpu={self.gpu_bdf} node={self.node} "
-            f"cpus={format_cpulist(self.cpus)} ({len(self.cpus)}) memory_node={self.memory_node}"
-        )
-
 
 @dataclass(frozen=True)
 class NumaPlan:
