@@ -237,6 +237,10 @@ class RLTrainingJobSpec(APIModel):
              "self.trainer.resources.cpu.matches('^[0-9]+$')",
              "numa.policy gpu-local needs an integer trainer.resources.cpu (Guaranteed QoS lets the "
              "kubelet pin whole CPUs)", ".trainer.resources.cpu"),
+        rule("self.rollout.colocate || self.rollout.gpusPerReplica == 0 || self.numa.policy != 'gpu-local' || "
+             "self.rollout.resources.cpu.matches('^[0-9]+$')",
+             "numa.policy gpu-local needs an integer rollout.resources.cpu (Guaranteed QoS lets the "
+             "kubelet pin whole CPUs)", ".rollout.resources.cpu"),
         rule("self.checkpoint.resume in ['auto', 'never'] || !has(self.checkpoint.uri) || "
              "self.checkpoint.resume != self.checkpoint.uri",
              "checkpoint.resume names the checkpoint root itself; use auto to resume from the newest "
