@@ -1,0 +1,150 @@
+"""The pinned Go components of the test control plane and how each is built.
+
+One Kubernetes release for every k8s binary; each component is built from
+its Go module through a throwaway go.mod (so that upstream `replace`
+directives, which `go install pkg@version` refuses, do not matter).
+
+KubeRay is pinned to v1.6.2 although the CRDs we install are v1.7.0: the Go
+module proxy answers `403 Forbidden: This module version is not available.`
+for github.com/ray-project/kuberay/ray-operator@v1.7.0 (and for its list),
+so v1.7.0 cannot be built here. v1.6.2 is the newest operator it serves.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GO_MIN_VERSION = (1, 26)
+
+KUBERNETES_VERSION = "v1.36.3"
+ETCD_VERSION = "v3.6.16"
+KUBERAY_VERSION = "v1.6.2"
+KWOK_VERSION = "v0.8.0"
+HELM_VERSION = "v3.22.0"
+
+
+def _k8s_version_ldflags() -> list[str]:
+    """Stamp the release into the binaries; unstamped ones report v0.0.0-master."""
+    major, minor = KUBERNETES_VERSION.lstrip("v").split(".")[:2]
+    flags = []
+    for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
+        flags += [
+            f"-X {pkg}.gitVersion={KUBERNETES_VERSION}",
+            f"-X {pkg}.gitMajor={major}",
+            f"-X {pkg}.gitMinor={minor}",
+            f"-X {pkg}.gitTreeState=clean",
+        ]
+    return flags
+
+
+@dataclass(frozen=True)
+class Component:
+    """A binary built from `package` of Go module `module` at `version`."""
+
+    name: str
+    module: str
+    version: str
+    package: str
+    # Module graph shared by components of one release (one throwaway go.mod).
+    group: str
+    ldflags: list[str] = field(default_factory=list)
+    # Files of the module source concatenated into `<name>-<version>.yaml`
+    # beside the binary (upstream configuration the binary needs at run time).
+    data_files: tuple[str, ...] = ()
+
+    @property
+    def binary_name(self) -> str:
+        return f"{self.name}-{self.version}"
+
+    @property
+    def data_name(self) -> str:
+        return f"{self.name}-{self.version}.yaml"
+
+
+def _k8s(name: str, package: str) -> Component:
+    return Component(
+        name=name,
+        module="k8s.io/kubernetes",
+        version=KUBERNETES_VERSION,
+        package=package,
+        group=f"kubernetes-{KUBERNETES_VERSION}",
+        ldflags=_k8s_version_ldflags(),
+    )
+
+
+COMPONENTS: dict[str, Component] = {
+    c.name: c
+    for c in [
+        Component(
+            name="etcd",
+            module="go.etcd.io/etcd/server/v3",
+            version=ETCD_VERSION,
+            package="go.etcd.io/etcd/server/v3",
+            group=f"etcd-{ETCD_VERSION}",
+        ),
+        _k8s("kube-apiserver", "k8s.io/kubernetes/cmd/kube-apiserver"),
+        _k8s("kube-controller-manager", "k8s.io/kubernetes/cmd/kube-controller-manager"),
+        _k8s("kube-scheduler", "k8s.io/kubernetes/cmd/kube-scheduler"),
+        _k8s("kubectl", "k8s.io/kubernetes/cmd/kubectl"),
+        Component(
+            name="kuberay-operator",
+            module="github.com/ray-project/kuberay/ray-operator",
+            version=KUBERAY_VERSION,
+            package="github.com/ray-project/kuberay/ray-operator",
+            group=f"kuberay-{KUBERAY_VERSION}",
+            # The operator always starts its RayService controller, which waits
+            # for this CRD; shared/kuberay has only the RayCluster and RayJob ones.
+            data_files=("config/crd/bases/ray.io_rayservices.yaml",),
+        ),
+        Component(
+            name="kwok",
+            module="sigs.k8s.io/kwok",
+            version=KWOK_VERSION,
+            package="sigs.k8s.io/kwok/cmd/kwok",
+            group=f"kwok-{KWOK_VERSION}",
+            # The standalone kwok binary ships no stages of its own (kwokctl
+            # embeds these): node init + lease heartbeat, and the "fast" pod
+            # stages that move a scheduled pod to Running at once.
+            data_files=(
+                "kustomize/stage/node/fast/node-initialize.yaml",
+                "kustomize/stage/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+                "kustomize/stage/pod/fast/pod-ready.yaml",
+                "kustomize/stage/pod/fast/pod-complete.yaml",
+                "kustomize/stage/pod/fast/pod-delete.yaml",
+            ),
+        ),
+        Component(
+            name="helm",
+            module="helm.sh/helm/v3",
+            version=HELM_VERSION,
+            package="helm.sh/helm/v3/cmd/helm",
+            group=f"helm-{HELM_VERSION}",
+            ldflags=[f"-X helm.sh/helm/v3/internal/version.version={HELM_VERSION}"],
+        ),
+    ]
+}
+
+
+def cache_dir() -> Path:
+    """Root of the build cache; KUBERL_CACHE_DIR overrides ~/.cache/kuberl."""
+    override = os.environ.get("KUBERL_CACHE_DIR")
+    return Path(override) if override else Path.home() / ".cache" / "kuberl"
+
+
+def bin_dir() -> Path:
+    return cache_dir() / "bin"
+
+
+def binary_path(name: str) -> Path:
+    return bin_dir() / COMPONENTS[name].binary_name
+
+
+def data_path(name: str) -> Path:
+    return bin_dir() / COMPONENTS[name].data_name
+
+
+def is_built(name: str) -> bool:
+    component = COMPONENTS[name]
+    return binary_path(name).exists() and (not component.data_files or data_path(name).exists())

@@ -1,0 +1,512 @@
+"""A real Kubernetes control plane as local processes on 127.0.0.1.
+
+etcd, kube-apiserver (TLS, RBAC, service-account tokens), kube-controller-
+manager, kube-scheduler, KWOK (fake GPU nodes whose pods it reports Running)
+and the KubeRay operator, the way controller-runtime's envtest runs a control
+plane without containers. Binaries come from `python -m tests.cluster build`.
+
+    with Cluster() as cluster:
+        cluster.kubectl("get", "nodes")
+        core = kubernetes.client.CoreV1Api(cluster.api_client())
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable
+
+from tests.cluster import pki
+from tests.cluster.build import missing_components
+from tests.cluster.components import binary_path, data_path
+from tests.cluster.processes import ComponentExited, Process
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
+SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
+KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
+
+
+class ToolError(subprocess.CalledProcessError):
+    """kubectl/helm failed; unlike CalledProcessError, its message includes stderr."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\nstderr: {self.stderr.strip()}"
+
+
+class ClusterError(RuntimeError):
+    """The control plane did not come up; the message names the component and its log."""
+
+
+def kuberay_crd_dir() -> Path:
+    """The KubeRay v1.7.0 CRDs: $KUBERL_SHARED_DIR/kuberay, else shared/ in or beside the checkout."""
+    candidates = []
+    if os.environ.get("KUBERL_SHARED_DIR"):
+        candidates.append(Path(os.environ["KUBERL_SHARED_DIR"]) / "kuberay")
+    candidates += [REPO_ROOT / "shared" / "kuberay", REPO_ROOT.parent / "shared" / "kuberay"]
+    for path in candidates:
+        if (path / "ray.io_rayclusters.yaml").is_file():
+            return path
+    raise ClusterError(
+        "KubeRay CRDs not found; looked for ray.io_rayclusters.yaml in "
+        + ", ".join(str(p) for p in candidates)
+        + ". Set KUBERL_SHARED_DIR to the directory holding kuberay/."
+    )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def fake_gpu_node(name: str, zone: str) -> dict:
+    """A Node that KWOK manages: 8 GPUs, 64 CPUs, 512Gi, with topology labels."""
+    capacity = {"cpu": "64", "memory": "512Gi", "nvidia.com/gpu": "8", "pods": "110", "ephemeral-storage": "1Ti"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {KWOK_NODE_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
+            "labels": {
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "type": "kwok",
+                "topology.kubernetes.io/region": "test-region",
+                "topology.kubernetes.io/zone": zone,
+                "nvidia.com/gpu.present": "true",
+                "nvidia.com/gpu.product": GPU_PRODUCT,
+                "nvidia.com/gpu.count": "8",
+            },
+        },
+        "spec": {},
+        "status": {"capacity": capacity, "allocatable": capacity},
+    }
+
+
+def _write_kubeconfig(path: Path, server: str, ca: Path, user: str, credentials: dict) -> Path:
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "kuberl-test", "cluster": {"server": server, "certificate-authority": str(ca)}}],
+        "users": [{"name": user, "user": credentials}],
+        "contexts": [{"name": user, "context": {"cluster": "kuberl-test", "user": user}}],
+        "current-context": user,
+    }
+    path.write_text(json.dumps(config, indent=2))
+    path.chmod(0o600)
+    return path
+
+
+def _wait(what: str, ready: Callable[[], bool], timeout: float, watch: list[Process], interval: float = 0.1) -> None:
+    """Poll `ready()` until true; fail fast if a watched component exits meanwhile."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for process in watch:
+            process.check_alive()
+        if ready():
+            return
+        if time.monotonic() > deadline:
+            logs = ", ".join(str(p.log) for p in watch)
+            raise ClusterError(f"timed out after {timeout:.0f} s waiting for {what}; logs: {logs}")
+        time.sleep(interval)
+
+
+class Cluster:
+    """Start/stop a loopback control plane; see the module docstring."""
+
+    def __init__(self, workdir: Path | None = None, nodes: int = 3, kuberay: bool = True) -> None:
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kuberl-cluster-"))
+        self.log_dir = self.workdir / "logs"
+        self.pki_dir = self.workdir / "pki"
+        self.node_names = [f"kwok-gpu-{i}" for i in range(nodes)]
+        self.with_kuberay = kuberay
+        self.ports = {
+            name: free_port()
+            for name in ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok", "kuberay-metrics", "kuberay-probe")
+        }
+        self.server = f"https://127.0.0.1:{self.ports['apiserver']}"
+        self.processes: list[Process] = []
+        self.startup_seconds: dict[str, float] = {}
+        self._stopped = threading.Event()
+        self._api_client = None
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def __enter__(self) -> "Cluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> "Cluster":
+        missing = missing_components()
+        if missing:
+            raise ClusterError(f"components not built: {missing}; run `python -m tests.cluster build` first")
+        for directory in (self.log_dir, self.pki_dir):
+            directory.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)
+        _install_signal_handlers(self)
+        began = time.monotonic()
+        try:
+            self._step("certificates", self._make_pki)
+            self._step("etcd", self._start_etcd)
+            self._step("kube-apiserver", self._start_apiserver)
+            self._step("kuberay-crds", self._install_kuberay_crds)
+            self._step("controllers", self._start_controllers)
+            self._step("nodes", self._add_nodes)
+            if self.with_kuberay:
+                self._step("kuberay-operator", self._start_kuberay)
+            self._step("ready", self._wait_ready)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds["total"] = time.monotonic() - began
+        return self
+
+    def stop(self) -> None:
+        """Stop every component (reverse start order) and drop etcd's data; logs stay."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        for process in reversed(self.processes):
+            process.stop()
+        if self._api_client is not None:
+            self._api_client.close()
+        shutil.rmtree(self.workdir / "etcd-data", ignore_errors=True)
+        atexit.unregister(self.stop)
+
+    def _step(self, name: str, fn: Callable[[], None]) -> None:
+        began = time.monotonic()
+        fn()
+        self.startup_seconds[name] = time.monotonic() - began
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Process:
+        process = Process(name, argv, self.log_dir / f"{name}.log", env=env)
+        process.start()
+        self.processes.append(process)
+        return process
+
+    # -- components ------------------------------------------------------------
+
+    def _make_pki(self) -> None:
+        self.ca = pki.CertificateAuthority(self.pki_dir)
+        self.serving = self.ca.issue(
+            "apiserver",
+            "kube-apiserver",
+            dns_names=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"),
+            ip_addresses=("127.0.0.1", "10.0.0.1"),
+            server=True,
+        )
+        self.service_account_keys = pki.service_account_key_pair(self.pki_dir)
+        identities = {
+            # name: (common name, organisations); CNs the bootstrap RBAC policy knows.
+            "admin": ("kuberl-test-admin", ("system:masters",)),
+            "controller-manager": ("system:kube-controller-manager", ()),
+            "scheduler": ("system:kube-scheduler", ()),
+            "kwok": ("kwok-controller", ("system:masters",)),
+            "kuberay-operator": ("kuberay-operator", ("system:masters",)),
+        }
+        self.kubeconfigs: dict[str, Path] = {}
+        for name, (common_name, orgs) in identities.items():
+            pair = self.ca.issue(name, common_name, organizations=orgs)
+            self.kubeconfigs[name] = _write_kubeconfig(
+                self.workdir / f"{name}.kubeconfig",
+                self.server,
+                self.ca.pair.cert,
+                common_name,
+                {"client-certificate": str(pair.cert), "client-key": str(pair.key)},
+            )
+        self.kubeconfig = self.kubeconfigs["admin"]
+        self._admin_tls = ssl.create_default_context(cafile=str(self.ca.pair.cert))
+        admin = self.pki_dir / "admin"
+        self._admin_tls.load_cert_chain(f"{admin}.crt", f"{admin}.key")
+
+    def _start_etcd(self) -> None:
+        client = f"http://127.0.0.1:{self.ports['etcd']}"
+        peer = f"http://127.0.0.1:{self.ports['etcd-peer']}"
+        etcd = self._spawn(
+            "etcd",
+            [
+                str(binary_path("etcd")),
+                "--name=kuberl-test",
+                f"--data-dir={self.workdir / 'etcd-data'}",
+                f"--listen-client-urls={client}",
+                f"--advertise-client-urls={client}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=kuberl-test={peer}",
+                # Throwaway data: skipping fsync makes every write much cheaper.
+                "--unsafe-no-fsync",
+                "--log-level=warn",
+            ],
+        )
+        self.etcd_url = client
+        _wait("etcd /health", lambda: _http_ok(f"{client}/health"), 30, [etcd])
+
+    def _start_apiserver(self) -> None:
+        sa = self.service_account_keys
+        apiserver = self._spawn(
+            "kube-apiserver",
+            [
+                str(binary_path("kube-apiserver")),
+                f"--etcd-servers={self.etcd_url}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={self.ports['apiserver']}",
+                f"--cert-dir={self.pki_dir / 'apiserver-generated'}",
+                f"--tls-cert-file={self.serving.cert}",
+                f"--tls-private-key-file={self.serving.key}",
+                f"--client-ca-file={self.ca.pair.cert}",
+                f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+                f"--service-account-key-file={sa.cert}",
+                f"--service-account-signing-key-file={sa.key}",
+                f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
+                "--authorization-mode=Node,RBAC",
+                "--allow-privileged=true",
+                # 127.0.0.1 is not a valid Endpoints address; nothing here needs the
+                # `kubernetes` Service's endpoints, so do not reconcile them.
+                "--endpoint-reconciler-type=none",
+                "--profiling=false",
+            ],
+        )
+        self._apiserver = apiserver
+        _wait("kube-apiserver /readyz", lambda: self._api_ok("/readyz"), 90, [apiserver], interval=0.2)
+
+    def _install_kuberay_crds(self) -> None:
+        crds = [*sorted(kuberay_crd_dir().glob("ray.io_*.yaml")), data_path("kuberay-operator")]
+        for crd in crds:
+            self.kubectl("apply", "--server-side", "-f", str(crd))
+        for name in ("rayclusters.ray.io", "rayjobs.ray.io", "rayservices.ray.io"):
+            _wait(f"CRD {name} Established", lambda: self.crd_established(name), 60, self.processes)
+
+    def _start_controllers(self) -> None:
+        kcm = self.kubeconfigs["controller-manager"]
+        self._controller_manager = self._spawn(
+            "kube-controller-manager",
+            [
+                str(binary_path("kube-controller-manager")),
+                f"--kubeconfig={kcm}",
+                f"--authentication-kubeconfig={kcm}",
+                f"--authorization-kubeconfig={kcm}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={self.ports['controller-manager']}",
+                f"--cert-dir={self.pki_dir / 'controller-manager-generated'}",
+                "--leader-elect=false",
+                # Default-on controllers: garbage collector, serviceaccount,
+                # serviceaccount-token, root-ca-cert-publisher, job, node lifecycle...
+                "--controllers=*",
+                "--use-service-account-credentials=true",
+                f"--service-account-private-key-file={self.service_account_keys.key}",
+                f"--root-ca-file={self.ca.pair.cert}",
+                f"--cluster-signing-cert-file={self.ca.pair.cert}",
+                f"--cluster-signing-key-file={self.ca.pair.key}",
+                "--kube-api-qps=200",
+                "--kube-api-burst=400",
+            ],
+        )
+        sched = self.kubeconfigs["scheduler"]
+        self._scheduler = self._spawn(
+            "kube-scheduler",
+            [
+                str(binary_path("kube-scheduler")),
+                f"--kubeconfig={sched}",
+                f"--authentication-kubeconfig={sched}",
+                f"--authorization-kubeconfig={sched}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={self.ports['scheduler']}",
+                f"--cert-dir={self.pki_dir / 'scheduler-generated'}",
+                "--leader-elect=false",
+            ],
+        )
+        self._kwok = self._spawn(
+            "kwok",
+            [
+                str(binary_path("kwok")),
+                f"--kubeconfig={self.kubeconfigs['kwok']}",
+                f"--config={data_path('kwok')}",
+                "--manage-all-nodes=false",
+                f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
+                f"--server-address=127.0.0.1:{self.ports['kwok']}",
+                "--node-ip=127.0.0.1",
+                "--node-lease-duration-seconds=40",
+            ],
+        )
+
+    def _add_nodes(self) -> None:
+        zones = ["test-zone-a", "test-zone-b"]
+        nodes = [fake_gpu_node(name, zones[i % len(zones)]) for i, name in enumerate(self.node_names)]
+        self.kubectl("create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
+
+    def _start_kuberay(self) -> None:
+        env = dict(os.environ, KUBECONFIG=str(self.kubeconfigs["kuberay-operator"]))
+        self._kuberay = self._spawn(
+            "kuberay-operator",
+            [
+                str(binary_path("kuberay-operator")),
+                f"--metrics-addr=127.0.0.1:{self.ports['kuberay-metrics']}",
+                f"--health-probe-bind-address=127.0.0.1:{self.ports['kuberay-probe']}",
+                "--enable-leader-election=false",
+                "--log-stdout-encoder=console",
+            ],
+            env=env,
+        )
+
+    def _wait_ready(self) -> None:
+        watch = list(self.processes)
+        kcm_health = f"https://127.0.0.1:{self.ports['controller-manager']}/healthz"
+        sched_health = f"https://127.0.0.1:{self.ports['scheduler']}/healthz"
+        _wait("kube-controller-manager /healthz", lambda: _http_ok(kcm_health, insecure=True), 60, watch)
+        _wait("kube-scheduler /healthz", lambda: _http_ok(sched_health, insecure=True), 60, watch)
+        _wait("KWOK to report every node Ready", self._nodes_ready, 60, watch, interval=0.25)
+        # The ServiceAccount admission plugin refuses pods until the
+        # controller-manager has created the namespace's `default` account.
+        _wait("ServiceAccount default/default", lambda: self._api_ok("/api/v1/namespaces/default/serviceaccounts/default"), 60, watch)
+        if self.with_kuberay:
+            probe = f"http://127.0.0.1:{self.ports['kuberay-probe']}"
+            _wait("KubeRay operator /readyz", lambda: _http_ok(f"{probe}/readyz") and _http_ok(f"{probe}/healthz"), 60, watch)
+
+    def crd_established(self, name: str) -> bool:
+        """True once CustomResourceDefinition `name` is Established (served)."""
+        crd = self._api_get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+        conditions = (crd or {}).get("status", {}).get("conditions", [])
+        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+    def _nodes_ready(self) -> bool:
+        body = self._api_get("/api/v1/nodes")
+        if body is None:
+            return False
+        ready = {
+            n["metadata"]["name"]
+            for n in body["items"]
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in n.get("status", {}).get("conditions", []))
+        }
+        return set(self.node_names) <= ready
+
+    # -- readiness helpers --------------------------------------------------------
+
+    def _api_get(self, path: str) -> dict | None:
+        try:
+            with urllib.request.urlopen(self.server + path, context=self._admin_tls, timeout=5) as resp:
+                return json.loads(resp.read())
+        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+            return None
+
+    def _api_ok(self, path: str) -> bool:
+        try:
+            with urllib.request.urlopen(self.server + path, context=self._admin_tls, timeout=5) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    # -- what tests use --------------------------------------------------------------
+
+    def check_alive(self) -> None:
+        """Raise ComponentExited if any component has died."""
+        for process in self.processes:
+            process.check_alive()
+
+    def logs(self) -> dict[str, Path]:
+        return {p.name: p.log for p in self.processes}
+
+    def api_client(self):
+        """A `kubernetes` ApiClient authenticated as cluster admin (system:masters)."""
+        if self._api_client is None:
+            import kubernetes
+
+            self._api_client = kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))
+        return self._api_client
+
+    def _run_tool(self, tool: str, args: tuple[str, ...], input: str | None, check: bool, env: dict, timeout: float):
+        argv = [str(binary_path(tool)), *args]
+        result = subprocess.run(argv, input=input, capture_output=True, text=True, env=env, timeout=timeout)
+        if check and result.returncode != 0:
+            raise ToolError(result.returncode, argv, result.stdout, result.stderr)
+        return result
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True, kubeconfig: Path | None = None, timeout: float = 120):
+        """Run the built kubectl against this cluster (admin unless `kubeconfig` is given)."""
+        env = dict(os.environ, KUBECONFIG=str(kubeconfig or self.kubeconfig))
+        env.pop("KUBECTL_KUBERC", None)
+        return self._run_tool("kubectl", args, input, check, env, timeout)
+
+    def helm(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 300):
+        """Run the built helm against this cluster; its cache/config live in the session dir."""
+        helm_home = self.workdir / "helm"
+        env = dict(
+            os.environ,
+            KUBECONFIG=str(self.kubeconfig),
+            HELM_CACHE_HOME=str(helm_home / "cache"),
+            HELM_CONFIG_HOME=str(helm_home / "config"),
+            HELM_DATA_HOME=str(helm_home / "data"),
+        )
+        return self._run_tool("helm", args, input, check, env, timeout)
+
+    def service_account_kubeconfig(self, namespace: str, name: str, duration: str = "2h") -> Path:
+        """A kubeconfig holding a TokenRequest token for ServiceAccount namespace/name.
+
+        The account must exist; its rights are exactly what RBAC grants it,
+        which is how an operator is run with a restricted identity.
+        """
+        token = self.kubectl("create", "token", name, "-n", namespace, f"--duration={duration}").stdout.strip()
+        user = f"system:serviceaccount:{namespace}:{name}"
+        return _write_kubeconfig(
+            self.workdir / f"sa-{namespace}-{name}.kubeconfig", self.server, self.ca.pair.cert, user, {"token": token}
+        )
+
+    def client_for_service_account(self, namespace: str, name: str):
+        """A `kubernetes` ApiClient acting as ServiceAccount namespace/name."""
+        import kubernetes
+
+        return kubernetes.config.new_client_from_config(config_file=str(self.service_account_kubeconfig(namespace, name)))
+
+
+def _http_ok(url: str, insecure: bool = False) -> bool:
+    # `insecure` only for the components' own self-signed serving certs on
+    # loopback (their /healthz is readable anonymously).
+    context = ssl._create_unverified_context() if insecure else None
+    try:
+        with urllib.request.urlopen(url, timeout=5, context=context) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _install_signal_handlers(cluster: Cluster) -> None:
+    """Stop the cluster on SIGTERM/SIGHUP, then let the signal do what it did before."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in _SIGNALS:
+        previous = signal.getsignal(signum)
+
+        def handler(sig, frame, previous=previous):
+            cluster.stop()
+            if callable(previous):
+                previous(sig, frame)
+            else:
+                signal.signal(sig, signal.SIG_DFL if previous in (None, signal.SIG_DFL) else previous)
+                os.kill(os.getpid(), sig)
+
+        signal.signal(signum, handler)
+
+
+__all__ = ["Cluster", "ClusterError", "ComponentExited", "ToolError", "fake_gpu_node", "kuberay_crd_dir"]

@@ -1,0 +1,87 @@
+"""Child processes of the test control plane: started in their own process
+group, logged to a file, stopped with SIGTERM then SIGKILL, and tied to the
+life of the Python process that started them (PR_SET_PDEATHSIG), so that no
+component outlives a crashed or killed test session.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: the kernel sends SIGKILL to the
+    # child when the thread that forked it exits, however it exits.
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Process:
+    """One long-running component, its command line and its log file."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self.log = log
+        self.env = env
+        self._popen: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            out.write(f"$ {' '.join(self.argv)}\n".encode())
+            out.flush()
+            self._popen = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+
+    @property
+    def pid(self) -> int | None:
+        return self._popen.pid if self._popen else None
+
+    def exited(self) -> int | None:
+        """The exit code if the process has ended, else None."""
+        return self._popen.poll() if self._popen else None
+
+    def check_alive(self) -> None:
+        code = self.exited()
+        if code is not None:
+            raise ComponentExited(self, code)
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self._popen is None or self._popen.poll() is not None:
+            return
+        pgid = self._popen.pid  # start_new_session: the child leads its own group
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and self._popen.poll() is None:
+            time.sleep(0.05)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._popen.wait()
+
+
+class ComponentExited(RuntimeError):
+    def __init__(self, process: Process, code: int) -> None:
+        tail = ""
+        if process.log.exists():
+            tail = "".join(process.log.read_text(errors="replace").splitlines(keepends=True)[-25:])
+        super().__init__(f"{process.name} exited with code {code}; log {process.log}:\n{tail}")
+        self.process = process
