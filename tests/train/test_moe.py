@@ -1,0 +1,88 @@
+"""The every-expert MoE path: same outputs and gradients as the stock Hugging Face experts, every
+expert gets a gradient, and its saved tensors do not depend on routing."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+from kuberl.train.moe import GroupedExperts, use_grouped_experts
+
+
+def _config(**kw):
+    return Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=16, intermediate_size=64, moe_intermediate_size=16,
+                          num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, **kw)
+
+
+def _pair(implementation):
+    torch.manual_seed(0)
+    config = _config()
+    config._experts_implementation = "eager"  # the library's per-expert loop
+    stock = AutoModelForCausalLM.from_config(config)
+    ours = AutoModelForCausalLM.from_config(config)
+    ours.load_state_dict(stock.state_dict())
+    assert use_grouped_experts(ours, implementation) == 2
+    return stock, ours
+
+
+@pytest.mark.parametrize("implementation", ["grouped", "loop"])
+def test_same_outputs_and_grads_as_stock(implementation):
+    stock, ours = _pair(implementation)
+    # Route everything away from expert 3 in layer 0: an expert with zero tokens.
+    with torch.no_grad():
+        for model in (stock, ours):
+            model.model.layers[0].mlp.gate.weight[3] = -100.0 * model.model.layers[0].mlp.gate.weight[0].sign()
+    ids = torch.randint(0, 64, (3, 11))
+    out_stock = stock(ids).logits
+    out_ours = ours(ids).logits
+    torch.testing.assert_close(out_ours, out_stock, rtol=1e-5, atol=1e-5)
+    out_stock.square().mean().backward()
+    out_ours.square().mean().backward()
+    for (name, p_s), (_, p_o) in zip(stock.named_parameters(), ours.named_parameters()):
+        torch.testing.assert_close(p_o.grad, p_s.grad, rtol=1e-4, atol=1e-6, msg=name)
+    # Parameter names (state dict, HF export) are unchanged by the swap.
+    assert [n for n, _ in stock.named_parameters()] == [n for n, _ in ours.named_parameters()]
+
+
+def _saved_shapes(experts, hidden, index, weights):
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        experts(hidden, index, weights)
+    return shapes
+
+
+def test_saved_tensors_do_not_depend_on_routing():
+    """Non-reentrant checkpointing requires the recompute to save the same tensors as the forward;
+    ours saves the same shapes whatever the routing (the stock loop does not)."""
+    stock, ours = _pair("grouped")
+    hidden = torch.randn(10, 32, requires_grad=True)
+    weights = torch.full((10, 2), 0.5)
+    spread = torch.tensor([[0, 1], [2, 3]] * 5)
+    narrow = torch.tensor([[0, 1]] * 10)
+    ours_experts = ours.model.layers[0].mlp.experts
+    stock_experts = stock.model.layers[0].mlp.experts
+    assert isinstance(ours_experts, GroupedExperts)
+    assert _saved_shapes(ours_experts, hidden, spread, weights) == _saved_shapes(ours_experts, hidden, narrow, weights)
+    assert _saved_shapes(stock_experts, hidden, spread, weights) != _saved_shapes(stock_experts, hidden, narrow, weights)
+
+
+def test_every_expert_gets_a_gradient_even_without_tokens():
+    _, ours = _pair("grouped")
+    experts = ours.model.layers[0].mlp.experts
+    hidden = torch.randn(6, 32)
+    out = experts(hidden, torch.tensor([[0, 1]] * 6), torch.full((6, 2), 0.5))
+    out.sum().backward()
+    assert experts.gate_up_proj.grad is not None
+    assert experts.gate_up_proj.grad[2:].abs().sum() == 0  # experts 2, 3: zero, but present
+    assert experts.gate_up_proj.grad[:2].abs().sum() > 0
+
+
+def test_unknown_implementation_names_the_field():
+    _, ours = _pair("grouped")
+    with pytest.raises(ValueError, match="expertImplementation"):
+        use_grouped_experts(ours, "fast")

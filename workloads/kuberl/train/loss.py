@@ -1,0 +1,81 @@
+"""GRPO/PPO loss terms as plain functions on tensors.
+
+Shapes: per-token tensors are ``(batch, tokens)``; ``mask`` is 1 where a response token is
+trained on. Aggregation is token-level: the sum over every trained token of the batch divided by
+the number of such tokens (``total_tokens`` overrides the divisor, so that micro-batches and data
+parallel ranks add up to the token mean of the whole step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _divisor(mask: torch.Tensor, total_tokens: float | torch.Tensor | None) -> torch.Tensor:
+    if total_tokens is None:
+        total_tokens = mask.sum()
+    return torch.as_tensor(total_tokens, dtype=torch.float32, device=mask.device).clamp(min=1.0)
+
+
+def masked_token_mean(values: torch.Tensor, mask: torch.Tensor,
+                      total_tokens: float | torch.Tensor | None = None) -> torch.Tensor:
+    return (values * mask).sum() / _divisor(mask, total_tokens)
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, clip_low: float, clip_high: float, *,
+                total_tokens: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped-ratio policy-gradient loss.
+
+    ``advantages`` is per token ``(batch, tokens)`` or per sample ``(batch,)`` (broadcast over
+    tokens). Per token: ``max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))`` with
+    ``r = exp(logprobs - old_logprobs)``. Returns the loss and detached metric sums
+    (``clipped_tokens``: tokens where the clipped term was the larger one).
+    """
+    mask = mask.to(logprobs.dtype)
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    loss = masked_token_mean(per_token, mask, total_tokens)
+    with torch.no_grad():
+        clipped_tokens = ((clipped > unclipped).to(mask.dtype) * mask).sum()
+    return loss, {"clipped_tokens": clipped_tokens}
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, *,
+               total_tokens: float | torch.Tensor | None = None) -> torch.Tensor:
+    """KL(policy || reference) with the k3 estimator ``exp(ref - lp) - (ref - lp) - 1`` (>= 0,
+    unbiased), token-level mean."""
+    log_ratio = ref_logprobs - logprobs
+    per_token = torch.exp(log_ratio) - log_ratio - 1.0
+    return masked_token_mean(per_token, mask.to(logprobs.dtype), total_tokens)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution over the last dimension, computed in float32."""
+    logits = logits.float()
+    log_p = torch.log_softmax(logits, dim=-1)
+    return -(log_p.exp() * log_p).sum(dim=-1)
+
+
+def group_advantages(rewards: torch.Tensor | list[float], group_ids: torch.Tensor | list[int],
+                     eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages: ``(r - mean_group) / (std_group + eps)``, std unbiased (n - 1), as in the
+    GRPO paper's implementations; a group of one sample gets std 0 (advantage 0)."""
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    group_ids = torch.as_tensor(group_ids)
+    if rewards.shape != group_ids.shape or rewards.dim() != 1:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} "
+                         f"must be 1-D and of the same length")
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    n_groups = counts.numel()
+    counts_f = counts.to(torch.float32)
+    sums = torch.zeros(n_groups).index_add_(0, inverse, rewards)
+    means = sums / counts_f
+    centred = rewards - means[inverse]
+    sq = torch.zeros(n_groups).index_add_(0, inverse, centred * centred)
+    std = torch.where(counts > 1, (sq / (counts_f - 1).clamp(min=1)).sqrt(), torch.zeros(n_groups))
+    return centred / (std[inverse] + eps)

@@ -1,0 +1,172 @@
+"""A Hugging Face causal LM as an FSDP2 module: meta-device build on every rank, real weights
+read once on rank 0 and broadcast in coalesced buckets, ``fully_shard`` per decoder layer then
+the root, optional non-reentrant activation checkpointing and the every-expert MoE path."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from kuberl.train.moe import use_grouped_experts
+
+log = logging.getLogger("kuberl.train")
+
+BROADCAST_BUCKET_BYTES = 256 << 20
+
+
+@dataclass
+class ModelOptions:
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = True
+    # Compute dtype under FSDP2 mixed precision; master weights and gradient reduction stay fp32.
+    param_dtype: torch.dtype = torch.float32
+    # "grouped" | "loop": our every-expert path; "stock": the library's own experts (benchmarks
+    # and the failure-mode test only).
+    moe_experts: str = "grouped"
+    attn_implementation: str = "sdpa"
+    broadcast_bucket_bytes: int = BROADCAST_BUCKET_BYTES
+
+
+def load_config(model_path: str, options: ModelOptions):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=options.trust_remote_code)
+    config._attn_implementation = options.attn_implementation
+    if options.moe_experts == "stock":
+        # The library's per-expert Python loop, i.e. what a plain from_pretrained trains with
+        # when no fused kernel is selected.
+        config._experts_implementation = "eager"
+    return config
+
+
+def _build(config, options: ModelOptions) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=options.trust_remote_code,
+                                             dtype=torch.float32)
+    if options.moe_experts != "stock":
+        use_grouped_experts(model, options.moe_experts)
+    return model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks (the modules named in ``_no_split_modules``)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise NotImplementedError(f"{type(model).__name__} names no decoder layer class in "
+                                  f"_no_split_modules; cannot shard it layer by layer")
+    return layers
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, options: ModelOptions, *, trainable: bool = True) -> nn.Module:
+    if options.gradient_checkpointing and trainable:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    # The root group holds the embeddings, final norm and LM head: tied weights stay one parameter.
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    if not trainable:
+        model.requires_grad_(False)
+    return model
+
+
+def _named_state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    # named_parameters() lists a tied parameter once; buffers include the non-persistent ones
+    # (rotary inv_freq), which a meta-device build leaves uninitialised.
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
+@torch.no_grad()
+def broadcast_full_state(model: nn.Module, source: nn.Module | None, device: torch.device,
+                         bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
+    """Fill the sharded ``model`` from rank 0's unsharded ``source`` (None on other ranks).
+
+    Tensors are packed into flat buckets of up to ``bucket_bytes`` per dtype and broadcast one
+    bucket at a time (a broadcast per tensor costs a round trip each: minutes for large MoE
+    checkpoints); every rank then keeps its own shard.
+    """
+    targets = _named_state(model)
+    src = dict(_named_state(source)) if source is not None else None
+    if src is not None:
+        missing = [name for name, _ in targets if name not in src]
+        if missing:
+            raise RuntimeError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
+    buckets: list[list[tuple[str, torch.Tensor]]] = []
+    current, size, dtype = [], 0, None
+    for name, tensor in targets:
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and (size + nbytes > bucket_bytes or tensor.dtype != dtype):
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, tensor))
+        size += nbytes
+        dtype = tensor.dtype
+    if current:
+        buckets.append(current)
+    for bucket in buckets:
+        numels = [t.numel() for _, t in bucket]
+        flat = torch.empty(sum(numels), dtype=bucket[0][1].dtype, device=device)
+        if src is not None:
+            torch.cat([src[name].detach().reshape(-1).to(flat.dtype) for name, _ in bucket], out=flat)
+        dist.broadcast(flat, src=0)
+        for (name, target), full in zip(bucket, flat.split(numels)):
+            full = full.view(target.shape)
+            if isinstance(target, DTensor):
+                # src_data_rank=None: every rank holds the full tensor; each just keeps its shard.
+                target.copy_(distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None))
+            else:
+                target.copy_(full)
+
+
+def load_sharded_model(model_path: str, mesh: DeviceMesh, device: torch.device, options: ModelOptions,
+                       *, trainable: bool = True) -> nn.Module:
+    """Build on the meta device, shard, allocate on ``device``, then broadcast rank 0's weights."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(model_path, options)
+    with torch.device("meta"):
+        model = _build(config, options)
+    model = shard_model(model, mesh, options, trainable=trainable)
+    model.to_empty(device=device)
+    source = None
+    if dist.get_rank() == 0:
+        source = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32,
+                                                      trust_remote_code=options.trust_remote_code)
+        if options.moe_experts != "stock":
+            use_grouped_experts(source, options.moe_experts)
+    broadcast_full_state(model, source, device, options.broadcast_bucket_bytes)
+    del source
+    return model
+
+
+def init_random_sharded_model(config, mesh: DeviceMesh, device: torch.device, options: ModelOptions,
+                              seed: int = 0) -> nn.Module:
+    """Benchmarks: a model from a config with random weights, built directly on ``device`` per
+    layer shard (no checkpoint exists; same sharding and wrappers as ``load_sharded_model``)."""
+    with torch.device("meta"):
+        model = _build(config, options)
+    model = shard_model(model, mesh, options)
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, config.initializer_range)
+        # Non-persistent buffers (rotary inv_freq) are garbage after to_empty: rebuild them.
+        for module in model.modules():
+            if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+                fresh = type(module)(module.config)
+                for name, buffer in fresh.named_buffers(recurse=False):
+                    getattr(module, name).copy_(buffer)
+    return model

@@ -1,0 +1,103 @@
+"""Mixture-of-Experts experts that run every expert every step, with a grouped-GEMM fast path.
+
+The stock Hugging Face expert forward loops in Python over the experts that received tokens
+(``expert_hit``). Its op sequence therefore depends on routing. Under FSDP2 with non-reentrant
+activation checkpointing that is fatal: when the recompute in backward routes differently from
+the forward (bf16 GPU kernels are not bit-deterministic), it saves a different number of tensors
+and raises ``CheckpointError`` on that rank while the other ranks wait in the next collective:
+a hang. Models whose experts are separate modules also leave unhit experts without gradients, so
+ranks reduce-scatter different sets of gradients: a mismatch or a hang.
+
+``GroupedExperts`` keeps the same parameters (``gate_up_proj`` ``(E, 2I, H)``, ``down_proj``
+``(E, H, I)``: state dicts and Hugging Face exports are unchanged) and computes all experts in one
+pass: tokens are sorted by expert and multiplied with ``torch._grouped_mm`` (one kernel for all
+experts, bf16 on Hopper, any dtype on CPU). Every tensor it saves has a shape independent of
+routing (``tokens x top_k`` rows), it never synchronises with the host, and every expert weight
+receives a gradient (zeros for an expert without tokens). ``implementation="loop"`` runs a
+Python loop over *all* experts (zero-row matmuls for empty ones), for platforms without
+``_grouped_mm``.
+
+The swap replaces the ``experts`` submodule of our own model instance; no library module is patched.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+IMPLEMENTATIONS = ("grouped", "loop")
+
+
+class GroupedExperts(nn.Module):
+    """Drop-in for Hugging Face ``*MoeExperts`` with fused ``gate_up_proj`` (gate first) and ``down_proj``."""
+
+    def __init__(self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter, act_fn: nn.Module,
+                 implementation: str = "grouped"):
+        super().__init__()
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"spec.trainer.moe.expertImplementation must be one of {IMPLEMENTATIONS}; "
+                             f"got {implementation!r}")
+        self.gate_up_proj = gate_up_proj
+        self.down_proj = down_proj
+        self.act_fn = act_fn
+        self.num_experts = gate_up_proj.shape[0]
+        self.implementation = implementation
+
+    def _grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                 counts: torch.Tensor) -> torch.Tensor:
+        # weight (E, out, in) -> (E, in, out) as a transposed view: no copy.
+        w = weight.to(x.dtype).transpose(1, 2)
+        if self.implementation == "grouped":
+            return torch._grouped_mm(x, w, offs=offsets)
+        parts = x.split(counts.tolist())
+        return torch.cat([parts[e] @ w[e] for e in range(self.num_experts)])
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, top_k = top_k_index.shape
+        flat_experts = top_k_index.reshape(-1)
+        # Stable sort: within an expert, rows keep token order (deterministic index_add order).
+        order = torch.argsort(flat_experts, stable=True)
+        token_of_row = order // top_k
+        counts = torch.bincount(flat_experts, minlength=self.num_experts)
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        rows = hidden_states[token_of_row]
+        gate, up = self._grouped(rows, self.gate_up_proj, offsets, counts).chunk(2, dim=-1)
+        out = self._grouped(self.act_fn(gate) * up, self.down_proj, offsets, counts)
+        out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
+        final = torch.zeros_like(hidden_states)
+        return final.index_add_(0, token_of_row, out.to(final.dtype))
+
+
+def _is_fused_experts(module: nn.Module) -> bool:
+    return (type(module).__name__.endswith("Experts")
+            and isinstance(getattr(module, "gate_up_proj", None), nn.Parameter)
+            and isinstance(getattr(module, "down_proj", None), nn.Parameter)
+            and module.gate_up_proj.dim() == 3
+            and getattr(module, "has_bias", False) is False
+            and getattr(module, "is_transposed", False) is False
+            and getattr(module, "is_concatenated", True) is True)
+
+
+def is_moe_config(config) -> bool:
+    return bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None))
+
+
+def use_grouped_experts(model: nn.Module, implementation: str = "grouped") -> int:
+    """Swap every fused-experts module of ``model`` for ``GroupedExperts``; returns how many.
+
+    Raises when the model is MoE but has no expert module this path understands, rather than
+    silently training with the routing-dependent stock loop.
+    """
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if _is_fused_experts(child):
+                setattr(parent, name, GroupedExperts(child.gate_up_proj, child.down_proj, child.act_fn,
+                                                     implementation))
+                swapped += 1
+    if swapped == 0 and is_moe_config(getattr(model, "config", None)):
+        raise NotImplementedError(
+            f"{type(model).__name__}: no fused MoE expert module (gate_up_proj (E, 2I, H), down_proj "
+            f"(E, H, I)) found; kuberl's every-expert path supports Qwen3-MoE-style experts")
+    return swapped

@@ -1,0 +1,357 @@
+"""One trainer rank: FSDP2 model, optimizer, log-probs, the GRPO step, state save/load, export.
+
+Torch only (no Ray): ``group.TrainerGroup`` hosts one in each Ray actor; ``bench/train_moe.py``
+runs the same class under torchrun on machines without Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+
+from kuberl.samples import SampleError, TrainBatch
+from kuberl.train import loss as L
+from kuberl.train.model import ModelOptions, load_config, load_sharded_model
+from kuberl.train.moe import is_moe_config
+
+log = logging.getLogger("kuberl.train")
+
+METRIC_NAMES = ("loss", "pg_loss", "kl", "entropy", "aux_loss", "clipped_tokens", "tokens")
+
+
+@dataclass
+class TrainerConfig:
+    """What a rank needs from ``spec.algorithm`` / ``spec.trainer``, as plain values."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    micro_batch_size: int = 4
+    temperature: float = 1.0
+    seed: int = 42
+    router_aux_loss_coef: float = 0.0
+    model: ModelOptions = field(default_factory=ModelOptions)
+
+    @classmethod
+    def from_spec(cls, spec, *, on_gpu: bool) -> "TrainerConfig":
+        algo, trainer = spec.algorithm, spec.trainer
+        dtype = getattr(torch, trainer.param_dtype) if on_gpu else torch.float32
+        return cls(
+            lr=algo.learning_rate, weight_decay=algo.weight_decay, warmup_steps=algo.warmup_steps,
+            max_grad_norm=algo.max_grad_norm, kl_coef=algo.kl_coef, entropy_coef=algo.entropy_coef,
+            clip_low=algo.clip_ratio_low, clip_high=algo.clip_ratio_high,
+            micro_batch_size=algo.micro_batch_size, temperature=algo.temperature, seed=algo.seed,
+            router_aux_loss_coef=trainer.moe.router_aux_loss_coef,
+            model=ModelOptions(trust_remote_code=spec.model.trust_remote_code,
+                               gradient_checkpointing=trainer.gradient_checkpointing,
+                               param_dtype=dtype, moe_experts=trainer.moe.expert_implementation),
+        )
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor       # (B, L)
+    attention_mask: torch.Tensor  # (B, L)
+    targets: torch.Tensor         # (B, L-1): input_ids shifted left
+    mask: torch.Tensor            # (B, L-1): 1 on trained response tokens
+    response_lengths: list[int]
+    response_starts: list[int]    # index into the (B, L-1) grid of each sample's first response token
+    advantages: torch.Tensor      # (B,)
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+
+
+def _grid(rows: list[list[float]], starts: list[int], width: int, device) -> torch.Tensor:
+    out = torch.zeros(len(rows), width, dtype=torch.float32)
+    for i, (row, start) in enumerate(zip(rows, starts)):
+        out[i, start:start + len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out.to(device)
+
+
+def make_micro_batch(batch: TrainBatch, device: torch.device, pad_id: int = 0,
+                     weights: list[float] | None = None) -> MicroBatch:
+    """Right-padded tensors; position t of the ``(B, L-1)`` grids predicts token t+1.
+    ``weights`` multiplies each sample's loss mask (0 drops padding samples)."""
+    seqs = [s.prompt_ids + s.response_ids for s in batch.samples]
+    width = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    masks, starts = [], []
+    for i, (s, seq) in enumerate(zip(batch.samples, seqs)):
+        ids[i, :len(seq)] = torch.tensor(seq)
+        attn[i, :len(seq)] = 1
+        starts.append(len(s.prompt_ids) - 1)
+        mask = s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids)
+        w = 1.0 if weights is None else weights[i]
+        masks.append([m * w for m in mask])
+    return MicroBatch(
+        input_ids=ids.to(device), attention_mask=attn.to(device), targets=ids[:, 1:].to(device),
+        mask=_grid(masks, starts, width - 1, device), response_lengths=[len(s.response_ids) for s in batch.samples],
+        response_starts=starts,
+        advantages=torch.tensor([s.advantage for s in batch.samples], dtype=torch.float32, device=device),
+        old_logprobs=_grid(batch.old_logprobs, starts, width - 1, device) if batch.old_logprobs is not None else None,
+        ref_logprobs=_grid(batch.ref_logprobs, starts, width - 1, device) if batch.ref_logprobs is not None else None,
+    )
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class TrainerWorker:
+    """One rank. Every public method is collective: all ranks call it with the same arguments."""
+
+    def __init__(self, model_path: str, config: TrainerConfig, *, rank: int, world_size: int,
+                 master_addr: str, master_port: int, device: torch.device):
+        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        self.config = config
+        self.model_path = model_path
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                    rank=rank, world_size=world_size, device_id=self.device if backend == "nccl" else None)
+        self.mesh = init_device_mesh(self.device.type, (world_size,))
+        random.seed(config.seed + rank)
+        np.random.seed(config.seed + rank)
+        torch.manual_seed(config.seed + rank)
+        self.hf_config = load_config(model_path, config.model)
+        self.is_moe = is_moe_config(self.hf_config)
+        self.model = load_sharded_model(model_path, self.mesh, self.device, config.model)
+        # The reference policy is the initial weights, frozen; only kept when the KL term is used.
+        self.ref_model = (load_sharded_model(model_path, self.mesh, self.device, config.model, trainable=False)
+                          if config.kl_coef > 0 else None)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
+                                           weight_decay=config.weight_decay)
+        warmup = config.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+        self.optimizer_steps = 0
+        self.skipped_steps = 0
+        self.pad_id = self.hf_config.pad_token_id if self.hf_config.pad_token_id is not None else 0
+
+    # ---- batching -------------------------------------------------------------------------
+
+    def _rank_micro_batches(self, batch: TrainBatch) -> list[tuple[TrainBatch, list[float]]]:
+        """This rank's share, padded so every rank runs the same number of micro-batches (FSDP2
+        collectives must match); padding samples repeat the last one with weight 0."""
+        n = len(batch.samples)
+        if n == 0:
+            raise SampleError("empty TrainBatch")
+        for i, s in enumerate(batch.samples):
+            s.validate(i)
+        per_rank = -(-n // self.world_size)
+        extra = per_rank * self.world_size - n
+        weights = [1.0] * n + [0.0] * extra
+        padded = TrainBatch(
+            samples=batch.samples + [batch.samples[-1]] * extra,
+            old_logprobs=batch.old_logprobs + [batch.old_logprobs[-1]] * extra if batch.old_logprobs is not None else None,
+            ref_logprobs=batch.ref_logprobs + [batch.ref_logprobs[-1]] * extra if batch.ref_logprobs is not None else None,
+        )
+        mine = padded.shard(self.rank, self.world_size)
+        my_weights = weights[self.rank * per_rank:(self.rank + 1) * per_rank]
+        mbs = self.config.micro_batch_size
+        out = []
+        for lo in range(0, per_rank, mbs):
+            hi = lo + mbs
+            out.append((TrainBatch(mine.samples[lo:hi],
+                                   mine.old_logprobs[lo:hi] if mine.old_logprobs is not None else None,
+                                   mine.ref_logprobs[lo:hi] if mine.ref_logprobs is not None else None),
+                        my_weights[lo:hi]))
+        return out
+
+    def _forward(self, model, mb: MicroBatch, *, with_entropy: bool):
+        want_router = self.is_moe and self.config.router_aux_loss_coef > 0 and model is self.model and model.training
+        kwargs = {"output_router_logits": True} if want_router else {}
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, **kwargs)
+        logits = out.logits[:, :-1].float() / self.config.temperature
+        log_probs_all = torch.log_softmax(logits, dim=-1)
+        logprobs = log_probs_all.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
+        entropy = -(log_probs_all.exp() * log_probs_all).sum(-1) if with_entropy else None
+        aux = getattr(out, "aux_loss", None) if want_router else None
+        return logprobs, entropy, aux
+
+    # ---- log-probs ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _log_probs(self, model, batch: TrainBatch) -> list[list[float]]:
+        model.eval()
+        mine: list[list[float]] = []
+        for part, weights in self._rank_micro_batches(batch):
+            mb = make_micro_batch(part, self.device, self.pad_id, weights)
+            logprobs, _, _ = self._forward(model, mb, with_entropy=False)
+            rows = logprobs.cpu()
+            for i, (w, start, n) in enumerate(zip(weights, mb.response_starts, mb.response_lengths)):
+                if w:
+                    mine.append(rows[i, start:start + n].tolist())
+        gathered: list[list[list[float]]] = [None] * self.world_size  # type: ignore[list-item]
+        dist.all_gather_object(gathered, mine)
+        return [row for part in gathered for row in part]
+
+    def log_probs(self, batch: TrainBatch) -> list[list[float]]:
+        """Per sample, log-probs of its response tokens under the current weights."""
+        return self._log_probs(self.model, batch)
+
+    def ref_log_probs(self, batch: TrainBatch) -> list[list[float]]:
+        if self.ref_model is None:
+            raise RuntimeError("no reference policy: spec.algorithm.klCoef is 0, so none is kept; "
+                               "set klCoef > 0 to use reference log-probs")
+        return self._log_probs(self.ref_model, batch)
+
+    # ---- the optimisation step ------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        cfg = self.config
+        if cfg.kl_coef > 0 and batch.ref_logprobs is None:
+            raise SampleError("spec.algorithm.klCoef > 0 but the TrainBatch has no ref_logprobs "
+                              "(call TrainerGroup.ref_log_probs first)")
+        self.model.train()
+        parts = self._rank_micro_batches(batch)
+        micro = [make_micro_batch(p, self.device, self.pad_id, w) for p, w in parts]
+        local_tokens = sum(mb.mask.sum() for mb in micro)
+        global_tokens = local_tokens.clone()
+        dist.all_reduce(global_tokens)
+        # FSDP2 averages gradients over ranks; each rank's loss is its share of the global token
+        # sum, so scaling by world_size makes the averaged gradient that of the global token mean.
+        scale = float(self.world_size)
+        sums = torch.zeros(len(METRIC_NAMES), dtype=torch.float32, device=self.device)
+        for mb in micro:
+            logprobs, entropy, aux = self._forward(self.model, mb, with_entropy=True)
+            # On-policy single update: without old log-probs the ratio is exactly 1.
+            old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+            pg, extra = L.policy_loss(logprobs, old, mb.advantages, mb.mask, cfg.clip_low, cfg.clip_high,
+                                      total_tokens=global_tokens)
+            ent = L.masked_token_mean(entropy, mb.mask, global_tokens)
+            kl = (L.kl_penalty(logprobs, mb.ref_logprobs, mb.mask, total_tokens=global_tokens)
+                  if cfg.kl_coef > 0 else torch.zeros((), device=self.device))
+            total = pg + cfg.kl_coef * kl - cfg.entropy_coef * ent
+            aux_term = (aux / len(micro)) if aux is not None else torch.zeros((), device=self.device)
+            (total * scale + cfg.router_aux_loss_coef * aux_term).backward()
+            with torch.no_grad():
+                sums += torch.stack([total.detach(), pg.detach(), kl.detach(), ent.detach(),
+                                     aux_term.detach() / self.world_size, extra["clipped_tokens"],
+                                     mb.mask.sum()]).float()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        nonfinite = (~torch.isfinite(grad_norm)).float().reshape(1).to(self.device)
+        # One collective for every metric and the skip decision, after all micro-batches: every
+        # rank sees the same sum, hence takes the same branch below.
+        reduced = torch.cat([sums, nonfinite])
+        dist.all_reduce(reduced)
+        lr = self.scheduler.get_last_lr()[0]
+        skipped = bool(reduced[-1].item() > 0)
+        if skipped:
+            # No optimizer.step(): AdamW with zero grads would still decay weights, move the
+            # moments and advance its step count. Parameters, moments, step and LR stay as they are.
+            self.skipped_steps += 1
+            log.warning("rank %d: non-finite grad norm %s; update skipped (%d so far)",
+                        self.rank, grad_norm.item(), self.skipped_steps)
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        values = dict(zip(METRIC_NAMES, reduced[:-1].tolist()))
+        tokens = values["tokens"]
+        return {
+            "loss": values["loss"], "pg_loss": values["pg_loss"], "kl": values["kl"],
+            "entropy": values["entropy"], "aux_loss": values["aux_loss"],
+            "grad_norm": float(grad_norm.item()), "lr": float(lr),
+            "clip_frac": values["clipped_tokens"] / tokens if tokens else 0.0,
+            "tokens": tokens, "skipped": 1.0 if skipped else 0.0,
+            "skipped_total": float(self.skipped_steps), "optimizer_steps": float(self.optimizer_steps),
+        }
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def _extra_path(self, path: str) -> Path:
+        return Path(path) / f"trainer_rank{self.rank}_of{self.world_size}.pt"
+
+    def save_state(self, path: str) -> None:
+        """Model and optimizer shards (torch.distributed.checkpoint) plus, per rank, scheduler,
+        step counters and every RNG state: a resume continues bit-exactly."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        torch.save({"scheduler": self.scheduler.state_dict(), "optimizer_steps": self.optimizer_steps,
+                    "skipped_steps": self.skipped_steps, "rng": _rng_state()}, self._extra_path(path))
+        dist.barrier()
+
+    def load_state(self, path: str) -> None:
+        extra_path = self._extra_path(path)
+        if not extra_path.exists():
+            found = sorted(p.name for p in Path(path).glob("trainer_rank*.pt"))
+            raise FileNotFoundError(f"{path}: no {extra_path.name}; the checkpoint was written by a different "
+                                    f"number of trainer ranks ({found[:4]}); resume with the same world size")
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        extra = torch.load(extra_path, weights_only=True)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.optimizer_steps = extra["optimizer_steps"]
+        self.skipped_steps = extra["skipped_steps"]
+        _set_rng_state(extra["rng"])
+        dist.barrier()
+
+    def export_hf(self, path: str) -> None:
+        """The full model gathered to rank 0 and saved as a Hugging Face checkpoint (safetensors)
+        with the tokenizer and, for trust_remote_code models, their code."""
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            self._save_hf(path, full)
+        dist.barrier()
+
+    def _save_hf(self, path: str, state_dict: dict[str, torch.Tensor]) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        config = load_config(self.model_path, ModelOptions(trust_remote_code=self.config.model.trust_remote_code))
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(config, trust_remote_code=self.config.model.trust_remote_code)
+        shell.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+        tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        if any((Path(self.model_path) / name).exists() for name in tokenizer_files):
+            AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=self.config.model.trust_remote_code
+                                          ).save_pretrained(path)
+
+    def execute(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        return fn(self, *args, **kwargs)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
