@@ -101,16 +101,17 @@ def _object_defaults(model: type[BaseModel], schema: dict[str, Any]) -> None:
         if annotation is not None:
             _object_defaults(annotation, prop)
             if field.default_factory is not None:
-                prop["default"] = _minimal_default(field)
+                prop["default"] = _full_default(field)
         elif (item_model := _list_model(field)) is not None:
             _object_defaults(item_model, prop["items"])
 
 
-def _minimal_default(field: FieldInfo) -> dict[str, Any]:
+def _full_default(field: FieldInfo) -> dict[str, Any]:
     value = field.get_default(call_default_factory=True)
     if isinstance(value, BaseModel):
-        # Only what differs from the nested defaults: the API server fills in the rest.
-        return value.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+        # Complete, not just what differs: the API server checks a default against the CEL rules
+        # of its schema without first applying the nested defaults.
+        return value.model_dump(mode="json", by_alias=True, exclude_none=True)
     return value
 
 

@@ -1,0 +1,73 @@
+"""The driver reports progress through the job's own ServiceAccount (as rendered by kuberl render)
+to the real API server, and that identity can patch only its own job's status."""
+
+import json
+import urllib.error
+
+import pytest
+import yaml
+
+from kuberl.render import render_manifest
+from kuberl.train.report import KubernetesStatusReporter, StatusReporter, reporter_from_env
+from tests.api.bad_manifests import minimal_manifest
+
+pytestmark = pytest.mark.cluster
+
+
+def _apply(cluster, objects):
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))
+
+
+def _create_job(cluster, name, namespace):
+    manifest = minimal_manifest(name)
+    manifest["metadata"]["namespace"] = namespace
+    _apply(cluster, [manifest])
+    uid = cluster.kubectl("get", "rltj", name, "-n", namespace, "-o", "jsonpath={.metadata.uid}").stdout
+    manifest["metadata"]["uid"] = uid
+    return manifest
+
+
+@pytest.fixture(scope="module")
+def crd(k8s_cluster):
+    from kuberl.api.crd import CRD_PATHS
+
+    k8s_cluster.kubectl("apply", "--server-side", "-f", str(CRD_PATHS[0]))
+    k8s_cluster.kubectl("wait", "--for=condition=Established", "crd/rltrainingjobs.kuberl.dev", "--timeout=60s")
+    return k8s_cluster
+
+
+def test_workload_identity_patches_its_own_status_only(crd, tmp_path):
+    cluster, ns = crd, "report-test"
+    cluster.kubectl("create", "namespace", ns)
+    mine = _create_job(cluster, "mine", ns)
+    _create_job(cluster, "other", ns)
+    # Only the workload identity (ServiceAccount, Role, RoleBinding) of "mine".
+    identity = [o for o in render_manifest(mine) if o["kind"] in ("ServiceAccount", "Role", "RoleBinding")]
+    _apply(cluster, identity)
+    token = tmp_path / "token"
+    token.write_text(cluster.kubectl("create", "token", "mine-workload", "-n", ns).stdout.strip())
+
+    reporter = KubernetesStatusReporter(cluster.server, ns, "mine", token, cluster.ca.pair.cert)
+    reporter.progress(3, 20, 0.25, 123.0)
+    reporter.checkpoint("s3://ckpt/mine/step-000000003", 3)
+    status = json.loads(cluster.kubectl("get", "rltj", "mine", "-n", ns, "-o", "json").stdout)["status"]
+    assert status["progress"]["step"] == 3 and status["progress"]["totalSteps"] == 20
+    assert status["progress"]["reward"] == 0.25
+    assert status["lastCheckpoint"]["uri"] == "s3://ckpt/mine/step-000000003"
+    printed = cluster.kubectl("get", "rltj", "mine", "-n", ns).stdout
+    assert "0.25" in printed and " 3 " in printed
+
+    # The same token cannot touch another job's status, nor the job's spec.
+    other = KubernetesStatusReporter(cluster.server, ns, "other", token, cluster.ca.pair.cert)
+    with pytest.raises(urllib.error.HTTPError) as info:
+        other._send({"progress": {"step": 1}})
+    assert info.value.code == 403
+    denied = cluster.kubectl("auth", "can-i", "patch", "rltrainingjobs/mine", "-n", ns,
+                             f"--as=system:serviceaccount:{ns}:mine-workload", check=False).stdout.strip()
+    assert denied == "no"
+
+
+def test_outside_kubernetes_the_reporter_only_logs(tmp_path):
+    assert type(reporter_from_env({}, tmp_path)) is StatusReporter
+    assert type(reporter_from_env({"KUBERL_JOB_NAME": "x", "KUBERNETES_SERVICE_HOST": "10.0.0.1"}, tmp_path)) \
+        is StatusReporter  # no token mounted

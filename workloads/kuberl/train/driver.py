@@ -1,0 +1,172 @@
+"""The GRPO loop: the single controller that owns the run; Ray actors do the work.
+
+Each step: the step's prompts (a pure function of seed and step) -> ``groupSize`` samples per
+prompt from the rollout engines -> rewards -> group-normalised advantages -> old and reference
+log-probs from the trainer -> one policy update -> weight sync to the engines -> metrics, progress
+and, every ``intervalSteps``, a checkpoint. Everything a resumed run needs is in the checkpoint
+(trainer state, step, weight version), so a resumed run continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kuberl.api.types import RLTrainingJob
+from kuberl.samples import Sample, TrainBatch
+from kuberl.train.checkpoint import CheckpointManager
+from kuberl.train.data import PromptStream, load_prompts
+from kuberl.train.report import StatusReporter
+from kuberl.train.rewards import load_reward, score
+
+log = logging.getLogger("kuberl.train")
+
+# Exit codes the operator reads from the RayJob: preempted (SIGTERM) after a checkpoint was written.
+EXIT_OK = 0
+EXIT_PREEMPTED = 75
+
+
+@dataclass
+class StepResult:
+    step: int
+    reward_mean: float
+    metrics: dict[str, float]
+    rewards: list[float] = field(default_factory=list)
+
+
+class Preemption:
+    """Turns SIGTERM (pod eviction, `kubectl delete`, RayJob suspend) into a flag the loop checks
+    between steps, so a step is never torn in half."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        log.warning("SIGTERM: finishing the current step, then checkpointing and exiting")
+        self.requested = True
+
+
+class GRPODriver:
+    def __init__(self, job: RLTrainingJob, *, trainer: Any, engines: Any, weight_sync: Any, tokenizer: Any,
+                 data_path: str, checkpoints: CheckpointManager, reporter: StatusReporter,
+                 preemption: Preemption | None = None):
+        self.job = job
+        self.spec = job.spec
+        self.trainer = trainer
+        self.engines = engines
+        self.weight_sync = weight_sync
+        self.tokenizer = tokenizer
+        self.checkpoints = checkpoints
+        self.reporter = reporter
+        self.preemption = preemption or Preemption()
+        data = self.spec.data
+        self.stream = PromptStream(load_prompts(data_path, prompt_field=data.prompt_field,
+                                                answer_field=data.answer_field, fmt=data.format),
+                                   self.spec.algorithm.seed)
+        self.reward_fn = load_reward(self.spec.reward)
+        self.step = 0
+        self.weight_version = 0
+
+    # --- one step ------------------------------------------------------------------------------
+
+    def _prompt_ids(self, texts: list[str]) -> list[list[int]]:
+        max_len = self.spec.rollout.max_prompt_length
+        out = []
+        for text in texts:
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                     add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            out.append(list(ids)[-max_len:])
+        return out
+
+    def rollout(self, step: int) -> list[Sample]:
+        algo = self.spec.algorithm
+        prompts = self.stream.batch(step, algo.prompts_per_step)
+        groups = self.engines.generate(self._prompt_ids([p.text for p in prompts]), algo.group_size,
+                                       temperature=algo.temperature,
+                                       max_tokens=self.spec.rollout.max_response_length,
+                                       seed=algo.seed * 1_000_003 + step)
+        samples = []
+        for index, (prompt, group) in enumerate(zip(prompts, groups, strict=True)):
+            for sample in group:
+                sample.group = index
+                sample.prompt_text = prompt.text
+                sample.response_text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+                sample.metadata["answer"] = prompt.answer
+                samples.append(sample)
+        rewards = score(self.reward_fn, [s.prompt_text for s in samples], [s.response_text for s in samples],
+                        [s.metadata["answer"] for s in samples])
+        for sample, reward in zip(samples, rewards, strict=True):
+            sample.reward = reward
+        return samples
+
+    def train_step(self, step: int) -> StepResult:
+        import torch
+
+        from kuberl.train.loss import group_advantages
+
+        started = time.perf_counter()
+        samples = self.rollout(step)
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        advantages = group_advantages(rewards, torch.tensor([s.group for s in samples]))
+        for sample, advantage in zip(samples, advantages.tolist(), strict=True):
+            sample.advantage = advantage
+        batch = TrainBatch(samples)
+        batch.old_logprobs = self.trainer.log_probs(batch)
+        if self.spec.algorithm.kl_coef > 0:
+            batch.ref_logprobs = self.trainer.ref_log_probs(batch)
+        metrics = dict(self.trainer.train_step(batch))
+        self.weight_version += 1
+        sync = self.weight_sync.sync(self.weight_version)
+        elapsed = time.perf_counter() - started
+        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        metrics.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0,
+                       response_length=sum(len(s.response_ids) for s in samples) / len(samples),
+                       step_seconds=elapsed, tokens_per_second=tokens / elapsed,
+                       weight_sync_seconds=getattr(sync, "seconds", 0.0),
+                       weight_sync_bytes=getattr(sync, "bytes", 0))
+        return StepResult(step, metrics["reward_mean"], metrics, rewards.tolist())
+
+    # --- the run -----------------------------------------------------------------------------
+
+    def restore(self, resume_from: str | None) -> None:
+        source = self.checkpoints.source(resume_from)
+        if source is None:
+            return
+        state = self.checkpoints.restore(source, self.trainer.load_state)
+        self.step = state["step"]
+        self.weight_version = state["weight_version"]
+        # The engines still hold the initial weights: push the restored ones.
+        self.weight_sync.sync(self.weight_version)
+
+    def run(self, max_steps: int | None = None) -> tuple[int, list[StepResult]]:
+        total = self.spec.algorithm.total_steps
+        last = total if max_steps is None else min(total, self.step + max_steps)
+        results = []
+        try:
+            while self.step < last:
+                result = self.train_step(self.step)
+                self.step += 1
+                results.append(result)
+                log.info("step %d/%d %s", self.step, total,
+                         " ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items())))
+                self.reporter.progress(self.step, total, result.reward_mean,
+                                       result.metrics["tokens_per_second"])
+                if self.checkpoints.due(self.step) or (self.preemption.requested and self.checkpoints.enabled):
+                    self.save()
+                if self.preemption.requested:
+                    return EXIT_PREEMPTED, results
+        finally:
+            self.checkpoints.close()
+        return EXIT_OK, results
+
+    def save(self) -> None:
+        self.checkpoints.save(self.step, self.trainer.save_state,
+                              {"weight_version": self.weight_version, "job": self.job.metadata.name})

@@ -1,0 +1,82 @@
+"""Progress reporting: the driver patches its RLTrainingJob's status through the pod's own
+ServiceAccount (whose Role allows only ``patch`` on this job's status); outside Kubernetes it logs.
+
+A failed report never stops training: it is logged and the next one tries again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import ssl
+import urllib.error
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from kuberl.api.types import GROUP, PLURAL, VERSION
+
+log = logging.getLogger("kuberl.train")
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class StatusReporter:
+    """Logs progress; subclasses also send it somewhere."""
+
+    def progress(self, step: int, total_steps: int, reward: float | None,
+                 tokens_per_second: float | None) -> None:
+        log.info("step %d/%d reward %s tokens/s %s", step, total_steps,
+                 "n/a" if reward is None else f"{reward:.4f}",
+                 "n/a" if tokens_per_second is None else f"{tokens_per_second:.1f}")
+        self._patch({"progress": {"step": step, "totalSteps": total_steps, "reward": reward,
+                                  "tokensPerSecond": tokens_per_second, "updatedTime": _now()}})
+
+    def checkpoint(self, uri: str, step: int) -> None:
+        log.info("checkpoint step %d complete: %s", step, uri)
+        self._patch({"lastCheckpoint": {"uri": uri, "step": step, "time": _now()}})
+
+    def _patch(self, status: dict[str, Any]) -> None:
+        """Nothing to send outside Kubernetes."""
+
+
+class KubernetesStatusReporter(StatusReporter):
+    def __init__(self, api_server: str, namespace: str, name: str, token_file: Path, ca_file: Path):
+        self.url = (f"{api_server}/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status")
+        self.token_file = token_file
+        self.context = ssl.create_default_context(cafile=str(ca_file))
+
+    def _send(self, status: dict[str, Any]) -> None:
+        """One merge patch of the status subresource; raises on failure."""
+        body = json.dumps({"status": {k: v for k, v in status.items() if v is not None}}).encode()
+        # The token is re-read each time: projected tokens rotate.
+        token = self.token_file.read_text().strip()
+        request = urllib.request.Request(self.url, data=body, method="PATCH", headers={
+            "Authorization": f"Bearer {token}", "Content-Type": "application/merge-patch+json"})
+        with urllib.request.urlopen(request, context=self.context, timeout=10):
+            pass
+
+    def _patch(self, status: dict[str, Any]) -> None:
+        try:
+            self._send(status)
+        except (urllib.error.URLError, OSError) as exc:
+            detail = exc.read().decode(errors="replace")[:300] if isinstance(exc, urllib.error.HTTPError) else ""
+            log.warning("could not report status to %s: %s %s", self.url, exc, detail)
+
+
+def reporter_from_env(env: dict[str, str] | None = None, service_account: Path = SERVICE_ACCOUNT) -> StatusReporter:
+    """The Kubernetes reporter inside a kuberl pod (KUBERL_JOB_NAME set, token mounted), else logs."""
+    env = dict(os.environ if env is None else env)
+    name, host = env.get("KUBERL_JOB_NAME"), env.get("KUBERNETES_SERVICE_HOST")
+    token = service_account / "token"
+    if not (name and host and token.exists()):
+        return StatusReporter()
+    port = env.get("KUBERNETES_SERVICE_PORT", "443")
+    host = f"[{host}]" if ":" in host else host
+    namespace = env.get("KUBERL_NAMESPACE") or (service_account / "namespace").read_text().strip()
+    return KubernetesStatusReporter(f"https://{host}:{port}", namespace, name, token, service_account / "ca.crt")
