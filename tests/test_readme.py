@@ -13,7 +13,7 @@ def _commands() -> list[str]:
 def test_readme_starts_with_the_two_fresh_machine_commands():
     run_main, run_tests = _commands()[:2]
     assert run_main.startswith("bash .ci/setup && ")
-    assert run_tests.startswith("bash .ci/setup && ")
+    assert run_tests.startswith("bash .ci/setup --tests && ")
 
 
 def test_ci_runs_the_readme_test_command():
