@@ -1,0 +1,56 @@
+{{- define "kuberl.operatorName" -}}
+{{- printf "%s-kuberl-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kuberl.serviceAccountName" -}}
+{{- default (include "kuberl.operatorName" .) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "kuberl.labels" -}}
+app.kubernetes.io/name: kuberl
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "kuberl.selectorLabels" -}}
+app.kubernetes.io/name: kuberl
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{/* What the operator does in a namespace it watches; nothing more. */}}
+{{- define "kuberl.operatorRules" -}}
+# The jobs: read, write the operator's status fields, delete after ttlSecondsAfterFinished.
+- apiGroups: [kuberl.dev]
+  resources: [rltrainingjobs]
+  verbs: [get, list, watch, delete]
+- apiGroups: [kuberl.dev]
+  resources: [rltrainingjobs/status]
+  verbs: [get, patch]
+# One RayJob per attempt; suspend/resume patches it; restarts delete the failed one.
+- apiGroups: [ray.io]
+  resources: [rayjobs]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [ray.io]
+  resources: [rayclusters]
+  verbs: [get, list, watch]
+# Pods are read for init-container (staging) failures and readiness.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+# The job's ConfigMap, and its per-job identity (server-side apply: create + patch).
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [get, create, patch]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, create, patch]
+- apiGroups: ["", events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+{{- end -}}

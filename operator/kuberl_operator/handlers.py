@@ -1,0 +1,245 @@
+"""kopf wiring: watches feed in-memory indices, every change of a job or of something it owns
+triggers one reconcile of that job, and the reconcile runs the pure plan from ``reconcile``.
+
+- kopf indices (label ``kuberl.dev/job``) hold the RayJobs, RayClusters, ConfigMaps and pods of
+  every job; kopf fills them from their watch streams before any handler runs, so a restarted
+  operator never mistakes "not listed yet" for "missing" and creates a duplicate.
+- ``kopf.on.event`` handlers (RLTrainingJob creation, update, resumption after an operator restart
+  and deletion all arrive as events; so do changes of owned objects) trigger a reconcile of the
+  owning job. Triggers that arrive while one is waiting coalesce; one job never reconciles twice
+  at once.
+- A resync loop re-triggers every job periodically (the safety net of level-triggered
+  controllers), and a plan's ``requeue_after`` (restart backoff, TTL) schedules one more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from kuberl.api import types as t
+from kuberl_operator import observed as o
+from kuberl_operator.kube import Kube
+from kuberl_operator.metrics import Metrics
+from kuberl_operator.reconcile import Plan, Settings, next_action
+from kuberl_operator.status import status_changed
+
+log = logging.getLogger("kuberl_operator")
+JOB_LABEL = "kuberl.dev/job"
+Key = tuple[str, str]
+
+
+def _plain(body: Any) -> dict[str, Any]:
+    """A detached copy of a kopf body (kopf's bodies are live views)."""
+    return {k: _deep(v) for k, v in body.items()}
+
+
+def _deep(value: Any) -> Any:
+    if isinstance(value, dict) or hasattr(value, "items"):
+        return {k: _deep(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep(v) for v in value]
+    return value
+
+
+def _owned_by(obj: dict[str, Any], uid: str | None) -> bool:
+    return any(ref.get("uid") == uid for ref in obj.get("metadata", {}).get("ownerReferences") or [])
+
+
+class Controller:
+    """Reconciles jobs; shared by every handler through kopf's ``memo``."""
+
+    def __init__(self, kube: Kube, settings: Settings, metrics: Metrics) -> None:
+        self.kube = kube
+        self.settings = settings
+        self.metrics = metrics
+        self.indices: dict[str, Any] = {}
+        self._locks: dict[Key, asyncio.Lock] = {}
+        self._waiting: set[Key] = set()
+        self._timers: dict[Key, asyncio.TimerHandle] = {}
+
+    # -- what the watches hold --------------------------------------------------------------
+
+    def job_phases(self) -> list[str | None]:
+        jobs = self.indices.get("jobs_by_key")
+        if jobs is None:
+            return []
+        return [((body.get("status") or {}).get("phase")) for key in list(jobs) for body in jobs.get(key, [])]
+
+    def _one(self, index: str, key: Key) -> dict[str, Any] | None:
+        store = self.indices[index].get(key, [])
+        return next(iter(store), None)
+
+    def observe(self, job: t.RLTrainingJob) -> o.Observed:
+        key = (job.metadata.namespace, job.metadata.name)
+        uid = job.metadata.uid
+        ray_jobs = {rj["metadata"]["name"]: rj for rj in self.indices["ray_jobs_by_job"].get(key, [])
+                    if _owned_by(rj, uid)}
+        config_map = next((cm for cm in self.indices["config_maps_by_job"].get(key, []) if _owned_by(cm, uid)), None)
+        clusters = {rc["metadata"]["name"]: rc for rc in self.indices["ray_clusters_by_job"].get(key, [])}
+        pods = list(self.indices["pods_by_job"].get(key, []))
+        # The current attempt's cluster and pods only: earlier attempts' pods may still be terminating.
+        current = max(ray_jobs.values(), key=o.attempt_of, default=None)
+        cluster_name = ((current or {}).get("status") or {}).get("rayClusterName")
+        cluster = clusters.get(cluster_name) if cluster_name else None
+        pods = [p for p in pods if cluster_name and p["metadata"].get("labels", {}).get("ray.io/cluster") == cluster_name]
+        return o.Observed(ray_jobs=ray_jobs, config_map=config_map, ray_cluster=cluster, pods=pods)
+
+    # -- triggering ------------------------------------------------------------------------
+
+    async def trigger(self, key: Key) -> None:
+        """Reconcile ``key`` now; triggers arriving while one waits for the lock are merged."""
+        if key in self._waiting:
+            return
+        self._waiting.add(key)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            self._waiting.discard(key)
+            body = self._one("jobs_by_key", key)
+            if body is None:
+                self._forget(key)
+                return
+            requeue = await asyncio.to_thread(self.reconcile, body)
+        if requeue is not None:
+            self._schedule(key, requeue)
+
+    def _schedule(self, key: Key, delay: float) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + delay
+        handle = self._timers.get(key)
+        if handle is not None and not handle.cancelled() and handle.when() <= due:
+            return
+        if handle is not None:
+            handle.cancel()
+        self._timers[key] = loop.call_at(due, lambda: asyncio.ensure_future(self.trigger(key)))
+
+    def _forget(self, key: Key) -> None:
+        handle = self._timers.pop(key, None)
+        if handle is not None:
+            handle.cancel()
+        self._locks.pop(key, None)
+
+    async def resync_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.resync_seconds)
+            jobs = self.indices.get("jobs_by_key")
+            if jobs is not None:
+                for key in list(jobs):
+                    asyncio.ensure_future(self.trigger(key))
+
+    # -- one reconcile (runs in a worker thread: the kubernetes client blocks) -----------------
+
+    def reconcile(self, body: dict[str, Any]) -> float | None:
+        began = time.perf_counter()
+        meta = body.get("metadata", {})
+        try:
+            job = t.RLTrainingJob.model_validate({k: v for k, v in body.items() if k in ("apiVersion", "kind", "metadata", "spec", "status")})
+        except ValidationError as err:
+            # The API server validated the spec; this is a status written by something else.
+            self.metrics.reconcile_errors.labels("InvalidObject").inc()
+            kopf.event(body, type="Warning", reason="InvalidObject", message=f"cannot read the job: {err}")
+            return self.settings.resync_seconds
+        try:
+            plan = next_action(job, self.observe(job), datetime.now(timezone.utc), self.settings)
+            self.execute(job, body, plan)
+            return plan.requeue_after
+        except ApiException as err:
+            self.metrics.reconcile_errors.labels(str(err.status)).inc()
+            log.warning("reconcile %s/%s: HTTP %s %s", meta.get("namespace"), meta.get("name"), err.status,
+                        (err.body or err.reason or "")[:500])
+            return min(self.settings.restart_backoff_seconds, 5.0)
+        except Exception as err:  # a bug must not stop the other jobs; it is counted and retried
+            self.metrics.reconcile_errors.labels(type(err).__name__).inc()
+            log.exception("reconcile %s/%s failed", meta.get("namespace"), meta.get("name"))
+            return self.settings.resync_seconds
+        finally:
+            self.metrics.reconcile_duration.observe(time.perf_counter() - began)
+
+    def execute(self, job: t.RLTrainingJob, body: dict[str, Any], plan: Plan) -> None:
+        ns, name = job.metadata.namespace, job.metadata.name
+        if plan.delete_job:
+            self.kube.delete(t.KIND, ns, name)
+            self._post(body, plan)
+            return
+        # Status first: a restart is recorded (restarts += 1) before its RayJob exists, so a crash in
+        # between resumes the same attempt instead of starting another.
+        if status_changed(body.get("status"), plan.status):
+            self.kube.merge_patch(t.KIND, ns, name, {"status": plan.status}, subresource="status")
+        for obj in plan.apply:
+            if obj["kind"] == "RayJob":
+                self.kube.create(obj)
+            else:
+                self.kube.apply(obj)
+        if plan.suspend is not None:
+            ray_job, suspend = plan.suspend
+            self.kube.merge_patch("RayJob", ns, ray_job, {"spec": {"suspend": suspend}})
+        for ray_job in plan.delete_ray_jobs:
+            self.kube.delete("RayJob", ns, ray_job)
+        if any(e.reason == "Restarting" for e in plan.events):
+            self.metrics.restarts.inc()
+        self._post(body, plan)
+
+    @staticmethod
+    def _post(body: dict[str, Any], plan: Plan) -> None:
+        for event in plan.events:
+            kopf.event(body, type=event.type, reason=event.reason, message=event.message[:1024])
+
+
+def register(registry: kopf.OperatorRegistry) -> None:
+    """Add kuberl's handlers to ``registry``; they find the Controller in ``memo.controller``."""
+    owned = {"labels": {JOB_LABEL: kopf.PRESENT}, "registry": registry}
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs):
+        # A registry of our own gets none of kopf's default login handlers: in a pod the
+        # ServiceAccount token, elsewhere $KUBECONFIG.
+        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+    @kopf.index(t.GROUP, t.VERSION, t.PLURAL, id="jobs_by_key", registry=registry)
+    def jobs_by_key(namespace, name, body, **_):
+        return {(namespace, name): _plain(body)}
+
+    @kopf.index("ray.io", "v1", "rayjobs", id="ray_jobs_by_job", **owned)
+    def ray_jobs_by_job(namespace, labels, body, **_):
+        return {(namespace, labels[JOB_LABEL]): _plain(body)}
+
+    @kopf.index("ray.io", "v1", "rayclusters", id="ray_clusters_by_job", **owned)
+    def ray_clusters_by_job(namespace, labels, body, **_):
+        return {(namespace, labels[JOB_LABEL]): _plain(body)}
+
+    @kopf.index("v1", "configmaps", id="config_maps_by_job", **owned)
+    def config_maps_by_job(namespace, labels, body, **_):
+        return {(namespace, labels[JOB_LABEL]): _plain(body)}
+
+    @kopf.index("v1", "pods", id="pods_by_job", **owned)
+    def pods_by_job(namespace, labels, body, **_):
+        return {(namespace, labels[JOB_LABEL]): _plain(body)}
+
+    def _capture(memo, kwargs) -> Controller:
+        controller: Controller = memo.controller
+        if not controller.indices:
+            # kopf hands its live indices to handlers only; the resync loop and the requeue timers
+            # keep the same objects.
+            controller.indices = {k: kwargs[k] for k in ("jobs_by_key", "ray_jobs_by_job", "ray_clusters_by_job",
+                                                         "config_maps_by_job", "pods_by_job")}
+        return controller
+
+    @kopf.on.event(t.GROUP, t.VERSION, t.PLURAL, id="job_changed", registry=registry)
+    async def job_changed(namespace, name, type, memo, **kwargs):
+        controller = _capture(memo, kwargs)
+        if type == "DELETED":
+            controller._forget((namespace, name))
+            return
+        await controller.trigger((namespace, name))
+
+    for group_version_plural in (("ray.io", "v1", "rayjobs"), ("ray.io", "v1", "rayclusters"), ("v1", "pods")):
+        @kopf.on.event(*group_version_plural, id=f"{group_version_plural[-1]}_changed", **owned)
+        async def owned_changed(namespace, labels, memo, **kwargs):
+            await _capture(memo, kwargs).trigger((namespace, labels[JOB_LABEL]))

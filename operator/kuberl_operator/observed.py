@@ -1,0 +1,86 @@
+"""What the operator saw of one RLTrainingJob's world, and how to read KubeRay's RayJob states.
+
+Everything here is plain data taken from watch caches; the reconcile and status functions are
+pure functions of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from kuberl.render import ATTEMPT_ANNOTATION
+
+# KubeRay's RayJob status.jobDeploymentStatus values (ray-operator/apis/ray/v1/rayjob_types.go).
+DEPLOYMENT_FAILED = "Failed"
+DEPLOYMENT_COMPLETE = "Complete"
+DEPLOYMENT_RUNNING = "Running"
+DEPLOYMENT_SUSPENDING = "Suspending"
+DEPLOYMENT_SUSPENDED = "Suspended"
+DEPLOYMENT_VALIDATION_FAILED = "ValidationFailed"
+# status.jobStatus (the Ray job inside the cluster).
+JOB_SUCCEEDED = "SUCCEEDED"
+JOB_FAILED = "FAILED"
+
+
+@dataclass
+class Observed:
+    """Objects that belong to one job (label kuberl.dev/job, owned by its uid)."""
+
+    ray_jobs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    config_map: dict[str, Any] | None = None
+    ray_cluster: dict[str, Any] | None = None
+    pods: list[dict[str, Any]] = field(default_factory=list)
+
+
+def attempt_of(ray_job: dict[str, Any]) -> int:
+    """The attempt a RayJob belongs to, from the annotation the renderer sets."""
+    value = (ray_job.get("metadata", {}).get("annotations") or {}).get(ATTEMPT_ANNOTATION, "0")
+    try:
+        return int(value)
+    except ValueError:
+        return 0
+
+
+def deployment_status(ray_job: dict[str, Any] | None) -> str:
+    return ((ray_job or {}).get("status") or {}).get("jobDeploymentStatus") or ""
+
+
+def job_status(ray_job: dict[str, Any] | None) -> str:
+    return ((ray_job or {}).get("status") or {}).get("jobStatus") or ""
+
+
+def succeeded(ray_job: dict[str, Any] | None) -> bool:
+    return deployment_status(ray_job) == DEPLOYMENT_COMPLETE and job_status(ray_job) == JOB_SUCCEEDED
+
+
+def validation_failed(ray_job: dict[str, Any] | None) -> bool:
+    return deployment_status(ray_job) == DEPLOYMENT_VALIDATION_FAILED
+
+
+def failed(ray_job: dict[str, Any] | None) -> bool:
+    """The attempt is over without success: Ray job FAILED/STOPPED, or KubeRay gave up on it."""
+    if ray_job is None:
+        return False
+    dep = deployment_status(ray_job)
+    return dep == DEPLOYMENT_FAILED or job_status(ray_job) == JOB_FAILED or (
+        dep == DEPLOYMENT_COMPLETE and job_status(ray_job) != JOB_SUCCEEDED)
+
+
+def failure_reason(ray_job: dict[str, Any]) -> str:
+    """KubeRay's words for why the attempt failed, e.g. "AppFailed: exit code 1"."""
+    status = ray_job.get("status") or {}
+    reason = status.get("reason") or job_status(ray_job) or deployment_status(ray_job)
+    message = status.get("message") or ""
+    return f"{reason}: {message}" if message else reason
+
+
+def parse_time(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def format_time(value: datetime) -> str:
+    return value.strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,208 @@
+"""What the operator should do for one RLTrainingJob, as a pure function of what it observed.
+
+Level-triggered: the same observation always gives the same plan, so running it twice, or after
+a crash half-way, converges instead of duplicating. Names are deterministic (``<job>``, then
+``<job>-r<n>`` per restart) and the attempt number only grows: it is the larger of
+``status.restarts`` and the newest owned RayJob's ``kuberl.dev/attempt`` annotation, so a stale
+cached status can never make the operator delete the attempt that is running.
+
+Spec changes: ``suspend``, ``backoffLimit`` and ``ttlSecondsAfterFinished`` apply to a running job;
+any other change is refused (reported, not applied). The spec in effect is the one stored in the
+job's ConfigMap when the current attempt was created; restarts render from it too.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import yaml
+
+from kuberl.api import types as t
+from kuberl.render import CONFIG_FILE, ray_job_name, render
+from kuberl_operator import observed as o
+from kuberl_operator.status import FINISHED_PHASES, compute_status
+
+# camelCase spec fields that may change while a job exists.
+MUTABLE_FIELDS = ("suspend", "backoffLimit", "ttlSecondsAfterFinished")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Knobs of the reconcile loop; tests shrink the backoff to keep runs short."""
+
+    restart_backoff_seconds: float = 10.0
+    restart_backoff_max_seconds: float = 300.0
+    resync_seconds: float = 60.0
+
+
+@dataclass
+class Event:
+    type: str  # Normal or Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class Plan:
+    """Writes to make, in this order: status, objects to apply, RayJob suspend flag, deletions."""
+
+    status: dict[str, Any]
+    apply: list[dict[str, Any]] = field(default_factory=list)
+    suspend: tuple[str, bool] | None = None
+    delete_ray_jobs: list[str] = field(default_factory=list)
+    delete_job: bool = False
+    requeue_after: float | None = None
+    events: list[Event] = field(default_factory=list)
+
+
+def current_attempt(job: t.RLTrainingJob, observed: o.Observed) -> int:
+    restarts = job.status.restarts if job.status else 0
+    return max([restarts, *(o.attempt_of(rj) for rj in observed.ray_jobs.values())])
+
+
+def accepted_spec(job: t.RLTrainingJob, observed: o.Observed) -> dict[str, Any] | None:
+    """The spec the current attempt was created with (from its ConfigMap), if there is one."""
+    cm = observed.config_map
+    if not cm or CONFIG_FILE not in (cm.get("data") or {}):
+        return None
+    return (yaml.safe_load(cm["data"][CONFIG_FILE]) or {}).get("spec")
+
+
+def _spec_dict(job: t.RLTrainingJob) -> dict[str, Any]:
+    return job.spec.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def refused_changes(job: t.RLTrainingJob, observed: o.Observed) -> list[str]:
+    """Top-level spec fields that differ from the spec in effect and may not change."""
+    accepted = accepted_spec(job, observed)
+    if accepted is None:
+        return []
+    given = _spec_dict(job)
+    keys = (set(given) | set(accepted)) - set(MUTABLE_FIELDS)
+    return sorted(k for k in keys if given.get(k) != accepted.get(k))
+
+
+def effective_job(job: t.RLTrainingJob, observed: o.Observed) -> t.RLTrainingJob:
+    """``job`` with the spec in effect plus the mutable fields as given now."""
+    accepted = accepted_spec(job, observed)
+    if accepted is None:
+        return job
+    spec = copy.deepcopy(accepted)
+    given = _spec_dict(job)
+    for key in MUTABLE_FIELDS:
+        if key in given:
+            spec[key] = given[key]
+        else:
+            spec.pop(key, None)
+    return job.model_copy(update={"spec": t.RLTrainingJobSpec.model_validate(spec)})
+
+
+def desired_objects(job: t.RLTrainingJob, observed: o.Observed, attempt: int | None = None) -> list[dict[str, Any]]:
+    """The objects of ``attempt`` (default: the current one), rendered from the spec in effect.
+
+    A restart resumes from the workload's last complete checkpoint; the RayJob is created
+    suspended when the job is.
+    """
+    if attempt is None:
+        attempt = current_attempt(job, observed)
+    resume_from = None
+    if attempt > 0 and job.status and job.status.last_checkpoint:
+        resume_from = job.status.last_checkpoint.uri
+    objects = render(effective_job(job, observed), resume_from=resume_from, attempt=attempt)
+    if job.spec.suspend:
+        objects[-1]["spec"]["suspend"] = True
+    return objects
+
+
+def backoff_seconds(settings: Settings, attempt: int) -> float:
+    """Wait before restart ``attempt + 1``: base * 2^attempt, capped."""
+    return min(settings.restart_backoff_seconds * (2 ** attempt), settings.restart_backoff_max_seconds)
+
+
+def _failed_at(ray_job: dict[str, Any], job: t.RLTrainingJob) -> datetime | None:
+    end = o.parse_time((ray_job.get("status") or {}).get("endTime"))
+    if end:
+        return end
+    # KubeRay leaves endTime empty when the submitter failed before Ray reported; the
+    # Running=False/Restarting condition records when the operator first saw the failure.
+    for cond in (job.status.conditions if job.status else []):
+        if cond.type == "Running" and cond.reason == "Restarting":
+            return cond.last_transition_time
+    return None
+
+
+def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, settings: Settings) -> Plan:
+    """Everything to do for ``job`` now: status to write, objects to create, what to delete."""
+    attempt = current_attempt(job, observed)
+    name = ray_job_name(job, attempt)
+    ray_job = observed.ray_jobs.get(name)
+    stale = sorted(n for n, rj in observed.ray_jobs.items() if n != name and o.attempt_of(rj) < attempt)
+    refused = refused_changes(job, observed)
+    old_status = job.status.model_dump(mode="json", by_alias=True, exclude_none=True) if job.status else {}
+    old_phase = old_status.get("phase")
+
+    if old_phase in FINISHED_PHASES:
+        plan = Plan(status=compute_status(job, ray_job, None, [], now, attempt=attempt))
+        ttl = job.spec.ttl_seconds_after_finished
+        finished = job.status.completion_time if job.status else None
+        if ttl is not None and finished is not None:
+            left = (finished - now).total_seconds() + ttl
+            if left <= 0:
+                plan.delete_job = True
+                plan.events.append(Event("Normal", "Expired", f"deleting the job {ttl} s after it finished"))
+            else:
+                plan.requeue_after = left
+        return plan
+
+    restart_in = None
+    plan_apply: list[dict[str, Any]] = []
+    delete = list(stale)
+    events: list[Event] = []
+    requeue = None
+    status_attempt = attempt
+    suspend = None
+
+    if ray_job is None:
+        plan_apply = desired_objects(job, observed, attempt)
+        events.append(Event("Normal", "Creating", f"creating RayJob {name} (attempt {attempt})"))
+    elif o.failed(ray_job) and not o.validation_failed(ray_job) and not job.spec.suspend:
+        if attempt < job.spec.backoff_limit:
+            wait = backoff_seconds(settings, attempt)
+            failed_at = _failed_at(ray_job, job) or now
+            left = (failed_at - now).total_seconds() + wait
+            if left > 0:
+                restart_in, requeue = left, left
+            else:
+                status_attempt = attempt + 1
+                plan_apply = desired_objects(job, observed, status_attempt)
+                delete.append(name)
+                ray_job = None
+                events.append(Event("Warning", "Restarting",
+                                    f"RayJob {name} failed: {o.failure_reason(observed.ray_jobs[name])}; "
+                                    f"starting {ray_job_name(job, status_attempt)} (restart {status_attempt} of "
+                                    f"{job.spec.backoff_limit}) from the last checkpoint"))
+    elif bool((ray_job.get("spec") or {}).get("suspend")) != job.spec.suspend and not o.failed(ray_job) \
+            and not o.succeeded(ray_job):
+        suspend = (name, job.spec.suspend)
+        events.append(Event("Normal", "Suspending" if job.spec.suspend else "Resuming",
+                            f"setting spec.suspend={str(job.spec.suspend).lower()} on RayJob {name}"))
+    if refused and "SpecChangeRefused" not in {c.type for c in (job.status.conditions if job.status else [])
+                                              if c.status == "True"}:
+        events.append(Event("Warning", "SpecChangeRefused",
+                            ", ".join(f"spec.{f}" for f in refused) + " cannot change while the job exists"))
+
+    cluster = observed.ray_cluster if ray_job is not None else None
+    pods = observed.pods if ray_job is not None else []
+    status = compute_status(job, ray_job, cluster, pods, now, attempt=status_attempt, refused=refused,
+                            restart_in=restart_in)
+    plan = Plan(status=status, apply=plan_apply, suspend=suspend, delete_ray_jobs=delete, events=events,
+                requeue_after=requeue)
+    if status.get("phase") != old_phase:
+        plan.events.append(Event("Warning" if status["phase"] == "Failed" else "Normal", status["phase"],
+                                 status.get("message", "")))
+    if status["phase"] in FINISHED_PHASES and job.spec.ttl_seconds_after_finished is not None:
+        plan.requeue_after = float(job.spec.ttl_seconds_after_finished)
+    return plan

@@ -1,0 +1,228 @@
+"""The RLTrainingJob status as a pure function of what the operator observed.
+
+The result is a merge patch of only the operator's fields: ``progress`` and ``lastCheckpoint``
+belong to the workload (it patches them through its per-job ServiceAccount) and are never
+written here.
+
+Conditions follow Kubernetes conventions; reasons are CamelCase, messages are sentences a person
+can act on, and ``lastTransitionTime`` changes only when a condition's status changes.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from kuberl.api import types as t
+from kuberl.render import ray_job_name
+from kuberl_operator import observed as o
+
+STAGED = "Staged"
+CLUSTER_READY = "ClusterReady"
+RUNNING = "Running"
+CHECKPOINTED = "Checkpointed"
+SUCCEEDED = "Succeeded"
+FAILED = "Failed"
+SUSPENDED = "Suspended"
+SPEC_CHANGE_REFUSED = "SpecChangeRefused"
+CONDITION_TYPES = (STAGED, CLUSTER_READY, RUNNING, CHECKPOINTED, SUCCEEDED, FAILED, SUSPENDED, SPEC_CHANGE_REFUSED)
+
+FINISHED_PHASES = ("Succeeded", "Failed")
+# Fields of status the operator owns (camelCase, as on the wire).
+OPERATOR_FIELDS = ("phase", "conditions", "observedGeneration", "rayJobName", "rayClusterName",
+                   "dashboardURL", "restarts", "message", "startTime", "completionTime")
+
+
+def _condition(type_: str, status: bool | None, reason: str, message: str) -> dict[str, str]:
+    return {"type": type_, "status": {True: "True", False: "False", None: "Unknown"}[status],
+            "reason": reason, "message": message}
+
+
+def _init_failure(pods: list[dict[str, Any]]) -> str | None:
+    """The first failed init container, in words: "init container stage-model failed: <why>"."""
+    for pod in pods:
+        for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
+            state = cs.get("state") or {}
+            last = cs.get("lastState") or {}
+            terminated = state.get("terminated") or last.get("terminated")
+            if terminated and terminated.get("exitCode", 0) != 0:
+                why = (terminated.get("message") or "").strip() or terminated.get("reason") or "error"
+                return (f"init container {cs['name']} failed in pod {pod['metadata']['name']} "
+                        f"(exit code {terminated.get('exitCode')}): {why}")
+            waiting = state.get("waiting") or {}
+            if waiting.get("reason") in ("ErrImagePull", "ImagePullBackOff", "InvalidImageName"):
+                return (f"init container {cs['name']} in pod {pod['metadata']['name']}: "
+                        f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": "))
+    return None
+
+
+def _staging(pods: list[dict[str, Any]]) -> str | None:
+    """Which init container is still copying, if any."""
+    for pod in pods:
+        for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
+            if not (cs.get("state") or {}).get("terminated"):
+                return f"init container {cs['name']} in pod {pod['metadata']['name']} is staging"
+    return None
+
+
+def _unscheduled(pods: list[dict[str, Any]]) -> str | None:
+    for pod in pods:
+        for cond in (pod.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+                return f"pod {pod['metadata']['name']} cannot be scheduled: {cond.get('message') or cond.get('reason')}"
+    return None
+
+
+def _running_pods(pods: list[dict[str, Any]]) -> int:
+    return sum(1 for p in pods if (p.get("status") or {}).get("phase") == "Running")
+
+
+def _merge_conditions(old: list[dict[str, Any]], new: list[dict[str, str]], now: datetime,
+                      generation: int | None) -> list[dict[str, Any]]:
+    """Keep lastTransitionTime where the status did not change."""
+    previous = {c.get("type"): c for c in old}
+    out = []
+    for cond in new:
+        before = previous.get(cond["type"])
+        changed = before is None or before.get("status") != cond["status"]
+        merged = dict(cond)
+        merged["lastTransitionTime"] = o.format_time(now) if changed else before["lastTransitionTime"]
+        if generation is not None:
+            merged["observedGeneration"] = generation
+        out.append(merged)
+    return out
+
+
+def compute_status(job: t.RLTrainingJob, ray_job: dict[str, Any] | None, ray_cluster: dict[str, Any] | None,
+                   pods: list[dict[str, Any]], now: datetime, *, attempt: int = 0,
+                   refused: list[str] = (), restart_in: float | None = None) -> dict[str, Any]:
+    """The operator's part of ``job.status`` (a merge patch), from the current attempt's RayJob,
+    its RayCluster and pods.
+
+    ``attempt`` is the attempt being run (status.restarts after a restart was decided);
+    ``refused`` names spec fields whose change was refused; ``restart_in`` is set while the failed
+    attempt waits for its backoff before the next one is created.
+    """
+    spec = job.spec
+    current = job.status or t.RLTrainingJobStatus()
+    old = current.model_dump(mode="json", by_alias=True, exclude_none=True)
+    conditions: list[dict[str, str]] = []
+    rj_status = (ray_job or {}).get("status") or {}
+    cluster_state = ((ray_cluster or {}).get("status") or {}).get("state") or ""
+    expected_pods = 1 + spec.trainer.replicas + (0 if spec.rollout.colocate else spec.rollout.replicas)
+    running_pods = _running_pods(pods)
+    message = ""
+
+    if old.get("phase") in FINISHED_PHASES:
+        # A finished job stays finished; its objects may be gone (TTL, KubeRay's shutdown).
+        return {k: v for k, v in old.items() if k in OPERATOR_FIELDS}
+
+    # --- what the attempt is doing --------------------------------------------------------
+    init_failure = _init_failure(pods)
+    if o.succeeded(ray_job):
+        phase, message = "Succeeded", f"training finished ({spec.algorithm.total_steps} steps)"
+        conditions.append(_condition(SUCCEEDED, True, "Completed", message))
+    elif o.validation_failed(ray_job):
+        phase = "Failed"
+        message = f"KubeRay rejected RayJob {ray_job['metadata']['name']}: {o.failure_reason(ray_job)}"
+        conditions.append(_condition(FAILED, True, "RayJobInvalid", message))
+    elif o.failed(ray_job) and restart_in is None and not spec.suspend:
+        phase = "Failed"
+        message = (f"RayJob {ray_job['metadata']['name']} failed: {o.failure_reason(ray_job)}; "
+                   f"no restarts left (backoffLimit {spec.backoff_limit}, restarts {attempt})")
+        conditions.append(_condition(FAILED, True, "BackoffLimitExceeded", message))
+    elif o.failed(ray_job) and not spec.suspend:
+        phase = "Starting"
+        message = (f"RayJob {ray_job['metadata']['name']} failed: {o.failure_reason(ray_job)}; "
+                   f"restart {attempt + 1} of {spec.backoff_limit} from the last checkpoint in {restart_in:.0f} s")
+        conditions.append(_condition(RUNNING, False, "Restarting", message))
+    elif spec.suspend:
+        done = o.deployment_status(ray_job) == o.DEPLOYMENT_SUSPENDED or ray_job is None or o.failed(ray_job)
+        phase = "Suspended"
+        message = ("suspended: the Ray cluster is gone; set spec.suspend to false to resume from the "
+                   "newest checkpoint" if done else
+                   "suspending: KubeRay is stopping the Ray job and deleting the cluster")
+        conditions.append(_condition(SUSPENDED, True, "Suspended" if done else "Suspending", message))
+    elif ray_job is None:
+        phase, message = "Pending", f"creating RayJob {ray_job_name(job, attempt)}"
+    elif init_failure:
+        phase, message = "Staging", init_failure
+        conditions.append(_condition(STAGED, False, "StageFailed", init_failure))
+    elif o.deployment_status(ray_job) == o.DEPLOYMENT_RUNNING:
+        phase, message = "Running", f"training (attempt {attempt})"
+        conditions.append(_condition(RUNNING, True, "RayJobRunning",
+                                     f"the Ray job {rj_status.get('jobId', '')} is running".replace("  ", " ")))
+    elif (staging := _staging(pods)) is not None:
+        phase, message = "Staging", staging
+        conditions.append(_condition(STAGED, False, "Staging", staging))
+    else:
+        phase = "Starting"
+        message = _unscheduled(pods) or f"waiting for the Ray cluster: {running_pods}/{expected_pods} pods running"
+
+    # --- conditions every phase reports -------------------------------------------------
+    types = {c["type"] for c in conditions}
+    if STAGED not in types:
+        if pods and _staging(pods) is None and not init_failure:
+            conditions.append(_condition(STAGED, True, "Staged", "model, data and checkpoint are in every pod"))
+        else:
+            conditions.append(_condition(STAGED, None, "NoPods", "no Ray pods yet"))
+    if cluster_state == "ready":
+        conditions.append(_condition(CLUSTER_READY, True, "RayClusterReady",
+                                     f"RayCluster {ray_cluster['metadata']['name']}: {running_pods} pods running"))
+    else:
+        why = _unscheduled(pods) or (f"RayCluster {ray_cluster['metadata']['name']} is "
+                                     f"{cluster_state or 'starting'}: {running_pods}/{expected_pods} pods running"
+                                     if ray_cluster else "no RayCluster yet")
+        conditions.append(_condition(CLUSTER_READY, False, "RayClusterNotReady", why))
+    if RUNNING not in types:
+        conditions.append(_condition(RUNNING, False, phase, message))
+    if current.last_checkpoint:
+        ckpt = current.last_checkpoint
+        conditions.append(_condition(CHECKPOINTED, True, "CheckpointSaved", f"step {ckpt.step} at {ckpt.uri}"))
+    else:
+        conditions.append(_condition(CHECKPOINTED, False, "NoCheckpoint", "no complete checkpoint yet"))
+    if SUCCEEDED not in types:
+        conditions.append(_condition(SUCCEEDED, False, phase, "the job has not finished"))
+    if FAILED not in types:
+        conditions.append(_condition(FAILED, False, phase, "the job has not failed"))
+    if SUSPENDED not in types:
+        conditions.append(_condition(SUSPENDED, False, "NotSuspended", "spec.suspend is false"))
+    if refused:
+        fields = ", ".join(f"spec.{f}" for f in refused)
+        conditions.append(_condition(SPEC_CHANGE_REFUSED, True, "ImmutableWhileRunning",
+                                     f"{fields} cannot change while the job exists; the job keeps running "
+                                     f"with the previous values. Revert the change, or delete and recreate "
+                                     f"the job to use the new ones"))
+    else:
+        conditions.append(_condition(SPEC_CHANGE_REFUSED, False, "NoChange", "the spec in effect is the spec given"))
+
+    out: dict[str, Any] = {
+        "phase": phase,
+        "message": message,
+        "conditions": _merge_conditions(old.get("conditions", []), conditions, now, job.metadata.generation),
+        "restarts": attempt,
+        "rayJobName": ray_job["metadata"]["name"] if ray_job else ray_job_name(job, attempt),
+    }
+    if job.metadata.generation is not None:
+        out["observedGeneration"] = job.metadata.generation
+    cluster_name = rj_status.get("rayClusterName") or old.get("rayClusterName")
+    if cluster_name:
+        out["rayClusterName"] = cluster_name
+    if rj_status.get("dashboardURL"):
+        out["dashboardURL"] = "http://" + rj_status["dashboardURL"].removeprefix("http://")
+    elif old.get("dashboardURL"):
+        out["dashboardURL"] = old["dashboardURL"]
+    start = old.get("startTime")
+    if not start and phase == "Running":
+        start = rj_status.get("startTime") or o.format_time(now)
+    if start:
+        out["startTime"] = start
+    if phase in FINISHED_PHASES:
+        out["completionTime"] = rj_status.get("endTime") or o.format_time(now)
+    return out
+
+
+def status_changed(job_status: dict[str, Any] | None, patch: dict[str, Any]) -> bool:
+    """Whether writing ``patch`` would change anything (the watch echoes our own writes back)."""
+    current = job_status or {}
+    return any(current.get(k) != v for k, v in patch.items())

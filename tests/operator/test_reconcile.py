@@ -1,0 +1,110 @@
+"""next_action: restarts with backoff and resume, suspend, refused spec changes, TTL, idempotence."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import yaml
+
+from kuberl.render import ATTEMPT_ANNOTATION, CONFIG_FILE, RESUME_ANNOTATION, render
+from kuberl_operator.reconcile import Settings, backoff_seconds, current_attempt, desired_objects, next_action
+from tests.operator.factories import NOW, job, observed, ray_job
+
+SETTINGS = Settings(restart_backoff_seconds=10, restart_backoff_max_seconds=60)
+CHECKPOINT = {"lastCheckpoint": {"uri": "s3://bucket/ckpt/step-10", "step": 10, "time": "2026-01-01T11:50:00Z"}}
+
+
+def config_map_of(j):
+    return render(j)[3]
+
+
+def test_new_job_creates_identity_config_and_rayjob_in_order():
+    plan = next_action(job(), observed(), NOW, SETTINGS)
+    assert [o["kind"] for o in plan.apply] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "RayJob"]
+    assert plan.apply[-1]["metadata"]["name"] == "tiny"
+    assert plan.status["phase"] == "Pending" and not plan.delete_ray_jobs
+    # Same observation, same plan: running it twice creates the same names, nothing more.
+    assert next_action(job(), observed(), NOW, SETTINGS).apply == plan.apply
+
+
+def test_existing_rayjob_is_adopted_not_recreated():
+    plan = next_action(job(), observed(ray_job("tiny", deployment="Running")), NOW, SETTINGS)
+    assert plan.apply == [] and plan.delete_ray_jobs == []
+
+
+def test_failure_waits_for_backoff_then_restarts_from_last_checkpoint():
+    failed = ray_job("tiny", deployment="Failed", job_status="FAILED", reason="AppFailed",
+                     endTime="2026-01-01T11:59:55Z")
+    j = job(status=CHECKPOINT)
+    waiting = next_action(j, observed(failed), NOW, SETTINGS)
+    assert waiting.apply == [] and waiting.requeue_after == 5.0
+    assert waiting.status["phase"] == "Starting"
+
+    plan = next_action(j, observed(failed), NOW + timedelta(seconds=6), SETTINGS)
+    assert plan.status["restarts"] == 1
+    rayjob = plan.apply[-1]
+    assert rayjob["metadata"]["name"] == "tiny-r1" and rayjob["metadata"]["annotations"][ATTEMPT_ANNOTATION] == "1"
+    config = yaml.safe_load(plan.apply[3]["data"][CONFIG_FILE])
+    assert config["metadata"]["annotations"][RESUME_ANNOTATION] == "s3://bucket/ckpt/step-10"
+    assert plan.delete_ray_jobs == ["tiny"]
+    assert any(e.reason == "Restarting" for e in plan.events)
+
+
+def test_backoff_doubles_and_is_capped():
+    assert [backoff_seconds(SETTINGS, n) for n in range(5)] == [10, 20, 40, 60, 60]
+
+
+def test_no_restart_left_is_failed_and_nothing_is_created():
+    failed = ray_job("tiny-r2", attempt=2, deployment="Failed", reason="AppFailed", endTime="2026-01-01T11:00:00Z")
+    plan = next_action(job(backoffLimit=2, status={"restarts": 2}), observed(failed), NOW, SETTINGS)
+    assert plan.status["phase"] == "Failed" and plan.apply == []
+    assert any(e.reason == "Failed" and e.type == "Warning" for e in plan.events)
+
+
+def test_stale_status_never_deletes_the_running_attempt():
+    # The cached status still says restarts=0 but tiny-r1 exists: the attempt is 1, tiny (0) is stale.
+    old = ray_job("tiny", deployment="Failed")
+    new = ray_job("tiny-r1", attempt=1, deployment="Running")
+    obs = observed(old, new)
+    assert current_attempt(job(), obs) == 1
+    plan = next_action(job(), obs, NOW, SETTINGS)
+    assert plan.delete_ray_jobs == ["tiny"] and plan.apply == [] and plan.status["restarts"] == 1
+
+
+def test_suspend_and_resume_patch_the_rayjob():
+    plan = next_action(job(suspend=True), observed(ray_job("tiny", deployment="Running")), NOW, SETTINGS)
+    assert plan.suspend == ("tiny", True)
+    plan = next_action(job(), observed(ray_job("tiny", deployment="Suspended", suspend=True)), NOW, SETTINGS)
+    assert plan.suspend == ("tiny", False)
+    created = next_action(job(suspend=True), observed(), NOW, SETTINGS)
+    assert created.apply[-1]["spec"]["suspend"] is True
+
+
+def test_suspended_failed_job_is_not_restarted():
+    failed = ray_job("tiny", deployment="Failed", endTime="2026-01-01T11:00:00Z")
+    plan = next_action(job(suspend=True), observed(failed), NOW, SETTINGS)
+    assert plan.apply == [] and plan.status["phase"] == "Suspended"
+
+
+def test_immutable_change_is_refused_and_mutable_ones_apply():
+    running = job()
+    obs = observed(ray_job("tiny", deployment="Running"), config_map=config_map_of(running))
+    changed = job(model={"uri": "s3://other/model"}, backoffLimit=5, ttlSecondsAfterFinished=60)
+    plan = next_action(changed, obs, NOW, SETTINGS)
+    refused = {c["type"]: c for c in plan.status["conditions"]}["SpecChangeRefused"]
+    assert refused["status"] == "True" and "spec.model" in refused["message"]
+    assert "backoffLimit" not in refused["message"] and "ttlSecondsAfterFinished" not in refused["message"]
+    assert any(e.reason == "SpecChangeRefused" for e in plan.events)
+    # A restart renders the spec in effect, not the refused one.
+    objects = desired_objects(changed, obs, attempt=1)
+    config = yaml.safe_load(objects[3]["data"][CONFIG_FILE])
+    assert config["spec"]["model"]["uri"] == running.spec.model.uri
+    assert config["spec"]["backoffLimit"] == 5
+
+
+def test_ttl_deletes_the_job_after_it_finished():
+    done = {"phase": "Succeeded", "completionTime": "2026-01-01T11:59:00Z"}
+    early = next_action(job(ttlSecondsAfterFinished=120, status=done), observed(), NOW, SETTINGS)
+    assert not early.delete_job and early.requeue_after == 60.0
+    late = next_action(job(ttlSecondsAfterFinished=30, status=done), observed(), NOW, SETTINGS)
+    assert late.delete_job
