@@ -385,7 +385,7 @@ class Cluster:
     def crd_established(self, name: str) -> bool:
         """True once CustomResourceDefinition `name` is Established (served)."""
         crd = self._api_get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
-        conditions = (crd or {}).get("status", {}).get("conditions", [])
+        conditions = ((crd or {}).get("status") or {}).get("conditions") or []
         return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
     def _nodes_ready(self) -> bool:
@@ -395,7 +395,7 @@ class Cluster:
         ready = {
             n["metadata"]["name"]
             for n in body["items"]
-            if any(c["type"] == "Ready" and c["status"] == "True" for c in n.get("status", {}).get("conditions", []))
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in (n.get("status") or {}).get("conditions") or [])
         }
         return set(self.node_names) <= ready
 
