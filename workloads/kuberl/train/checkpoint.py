@@ -83,6 +83,8 @@ class CheckpointManager:
     def source(self, resume_from: str | None) -> str | None:
         """Which checkpoint this run restores: an explicit one, else the newest complete one."""
         resume = resume_from or self.spec.resume
+        if resume == self.spec.uri:  # the operator names the root when the spec says auto
+            resume = "auto"
         if resume == "never":
             return None
         if resume == "auto":
@@ -91,6 +93,7 @@ class CheckpointManager:
 
     def restore(self, source: str, load_trainer: Callable[[str], None]) -> dict[str, Any]:
         """Fetch checkpoint ``source`` (verified, tar members unpacked safely) and load it."""
+        self.work_dir.mkdir(parents=True, exist_ok=True)
         local = Path(tempfile.mkdtemp(prefix="restore-", dir=self.work_dir))
         try:
             stage(source, local)
