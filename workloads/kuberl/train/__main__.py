@@ -77,7 +77,8 @@ def local_input(env_var: str, uri: str, **resolve_kw):
         yield str(path)
 
 
-def run(job: RLTrainingJob, work_dir: Path, *, max_steps: int | None = None, resume_from: str | None = None) -> int:
+def run(job: RLTrainingJob, work_dir: Path, *, max_steps: int | None = None, resume_from: str | None = None,
+        metrics_file: Path | None = None) -> int:
     import ray
     from transformers import AutoTokenizer
 
@@ -92,9 +93,13 @@ def run(job: RLTrainingJob, work_dir: Path, *, max_steps: int | None = None, res
     preemption = Preemption()
     preemption.install()
     if not ray.is_initialized():
-        # Inside a RayJob, RAY_ADDRESS points at the cluster; elsewhere this starts a local Ray.
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
-                 log_to_driver=True, logging_level=logging.WARNING)
+        if os.environ.get("RAY_ADDRESS"):  # inside a RayJob: the cluster kuberl render described
+            ray.init(address=os.environ["RAY_ADDRESS"])
+        else:
+            # A local Ray. CPUs are logical here: every trainer rank and engine needs a slot even
+            # on a 2-core laptop, where they take turns.
+            ray.init(num_cpus=max(os.cpu_count() or 1, local_slots(spec)), include_dashboard=False,
+                     logging_level=logging.WARNING)
     reporter = reporter_from_env()
     work_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
@@ -112,7 +117,8 @@ def run(job: RLTrainingJob, work_dir: Path, *, max_steps: int | None = None, res
         weight_sync.setup()
         checkpoints = CheckpointManager(spec.checkpoint, work_dir / "checkpoints", on_committed=reporter.checkpoint)
         driver = GRPODriver(job, trainer=trainer, engines=engines, weight_sync=weight_sync, tokenizer=tokenizer,
-                            data_path=data_path, checkpoints=checkpoints, reporter=reporter, preemption=preemption)
+                            data_path=data_path, checkpoints=checkpoints, reporter=reporter, preemption=preemption,
+                            metrics_file=metrics_file)
         driver.restore(resume_from or job.metadata.annotations.get(RESUME_ANNOTATION))
         code, _ = driver.run(max_steps)
         if code == 0 and spec.checkpoint.export_hugging_face and driver.step >= spec.algorithm.total_steps:
@@ -120,6 +126,14 @@ def run(job: RLTrainingJob, work_dir: Path, *, max_steps: int | None = None, res
 
             export_hugging_face(trainer, model_path, spec, work_dir / "hf-export")
         return code
+
+
+def local_slots(spec) -> int:
+    """Ray CPU slots a local run needs: trainer ranks, engines, and one to spare."""
+    trainer = spec.trainer.replicas * (spec.trainer.gpus_per_replica or spec.trainer.processes_per_replica)
+    engines = 0 if spec.rollout.colocate else spec.rollout.replicas * max(
+        1, spec.rollout.gpus_per_replica // spec.rollout.tensor_parallel_size)
+    return trainer + engines + 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,12 +144,14 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: ~/.cache/kuberl/runs/<job>)")
     parser.add_argument("--max-steps", type=int, help="stop after this many steps (the run can be resumed)")
     parser.add_argument("--resume-from", help="checkpoint URI to restore (default: spec.checkpoint.resume)")
+    parser.add_argument("--metrics-file", type=Path, help="append one JSON line of metrics per step")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     job = load_job(args.config) if args.config else embedded_job(DEFAULT_HOME / TINY_VERSION)
     work_dir = args.work_dir or DEFAULT_HOME / "runs" / job.metadata.name
-    return run(job, work_dir, max_steps=args.max_steps, resume_from=args.resume_from)
+    return run(job, work_dir, max_steps=args.max_steps, resume_from=args.resume_from,
+               metrics_file=args.metrics_file)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ and, every ``intervalSteps``, a checkpoint. Everything a resumed run needs is in
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import time
@@ -56,7 +57,7 @@ class Preemption:
 class GRPODriver:
     def __init__(self, job: RLTrainingJob, *, trainer: Any, engines: Any, weight_sync: Any, tokenizer: Any,
                  data_path: str, checkpoints: CheckpointManager, reporter: StatusReporter,
-                 preemption: Preemption | None = None):
+                 preemption: Preemption | None = None, metrics_file: Path | None = None):
         self.job = job
         self.spec = job.spec
         self.trainer = trainer
@@ -71,6 +72,7 @@ class GRPODriver:
                                                 answer_field=data.answer_field, fmt=data.format),
                                    self.spec.algorithm.seed)
         self.reward_fn = load_reward(self.spec.reward)
+        self.metrics_file = metrics_file
         self.step = 0
         self.weight_version = 0
 
@@ -159,6 +161,9 @@ class GRPODriver:
                          " ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items())))
                 self.reporter.progress(self.step, total, result.reward_mean,
                                        result.metrics["tokens_per_second"])
+                if self.metrics_file:
+                    with self.metrics_file.open("a") as f:
+                        f.write(json.dumps({"step": self.step, **result.metrics}) + "\n")
                 if self.checkpoints.due(self.step) or (self.preemption.requested and self.checkpoints.enabled):
                     self.save()
                 if self.preemption.requested:
