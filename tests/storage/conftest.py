@@ -119,11 +119,12 @@ def gcs_endpoint():
 @pytest.fixture
 def gcs(gcs_endpoint, monkeypatch):
     """(gcsfs filesystem, a fresh bucket name) on the emulator."""
-    import gcsfs
+    import gcsfs.core
 
     monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_endpoint)
-    fs = gcsfs.GCSFileSystem(token="anon", skip_instance_cache=True)
+    # The JSON-API class: the emulator does not serve the gRPC control plane (see filesystems.py).
+    fs = gcsfs.core.GCSFileSystem(token="anon", skip_instance_cache=True)
     bucket = f"kuberl-{uuid.uuid4().hex[:12]}"
     fs.mkdir(bucket)
     return fs, bucket

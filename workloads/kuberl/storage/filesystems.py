@@ -46,14 +46,20 @@ def filesystem(parsed: ParsedURI, *, max_connections: int = 32) -> fsspec.Abstra
         )
     if parsed.scheme == "gs":
         import gcsfs
+        import gcsfs.core
 
+        emulator = bool(os.environ.get("STORAGE_EMULATOR_HOST"))
         if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
             token = os.environ["GOOGLE_APPLICATION_CREDENTIALS"]
-        elif os.environ.get("STORAGE_EMULATOR_HOST"):
+        elif emulator:
             token = "anon"  # emulators take no credentials
         else:
             token = None  # gcsfs default chain: workload identity / metadata server
-        return gcsfs.GCSFileSystem(token=token, skip_instance_cache=True)
+        # gcsfs's default class asks the Storage Control gRPC API for each bucket's layout, which
+        # emulators do not serve (every call would wait out a 60 s gRPC timeout); against an
+        # emulator use the plain JSON-API class.
+        cls = gcsfs.core.GCSFileSystem if emulator else gcsfs.GCSFileSystem
+        return cls(token=token, skip_instance_cache=True)
     if parsed.scheme in ("file", "pvc"):
         return fsspec.filesystem("file", skip_instance_cache=True)
     raise ValueError(f"{parsed.original!r}: no object-store filesystem for scheme {parsed.scheme!r}")
