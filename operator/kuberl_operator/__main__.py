@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.log_level != "DEBUG":
         # kopf logs every handler run per object at INFO: one line per pod change.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        # One access line per liveness probe.
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     if args.kubeconfig:
         # kopf's own login reads $KUBECONFIG.
         os.environ["KUBECONFIG"] = args.kubeconfig

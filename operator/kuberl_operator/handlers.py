@@ -28,7 +28,7 @@ from kuberl.api import types as t
 from kuberl_operator import observed as o
 from kuberl_operator.kube import Kube
 from kuberl_operator.metrics import Metrics
-from kuberl_operator.reconcile import Plan, Settings, next_action
+from kuberl_operator.reconcile import Event, Plan, Settings, next_action
 from kuberl_operator.status import status_changed
 
 log = logging.getLogger("kuberl_operator")
@@ -49,6 +49,18 @@ def _deep(value: Any) -> Any:
     return value
 
 
+def _newer(cached: dict[str, Any], written: dict[str, Any] | None) -> dict[str, Any]:
+    """The newer of two copies of one object. resourceVersion is opaque by contract, but the API
+    server's are etcd revisions; anything not an integer falls back to the watch's copy."""
+    if written is None or written["metadata"].get("uid") != cached["metadata"].get("uid"):
+        return cached
+    try:
+        newer = int(written["metadata"]["resourceVersion"]) > int(cached["metadata"]["resourceVersion"])
+    except (KeyError, ValueError):
+        return cached
+    return written if newer else cached
+
+
 def _owned_by(obj: dict[str, Any], uid: str | None) -> bool:
     return any(ref.get("uid") == uid for ref in obj.get("metadata", {}).get("ownerReferences") or [])
 
@@ -64,6 +76,9 @@ class Controller:
         self._locks: dict[Key, asyncio.Lock] = {}
         self._waiting: set[Key] = set()
         self._timers: dict[Key, asyncio.TimerHandle] = {}
+        # The job as our own last status write returned it: the watch may not have delivered it
+        # yet, and reconciling from the older cached copy would repeat transitions and events.
+        self._written: dict[Key, dict[str, Any]] = {}
 
     # -- what the watches hold --------------------------------------------------------------
 
@@ -106,6 +121,7 @@ class Controller:
             if body is None:
                 self._forget(key)
                 return
+            body = _newer(body, self._written.get(key))
             requeue = await asyncio.to_thread(self.reconcile, body)
         if requeue is not None:
             self._schedule(key, requeue)
@@ -125,6 +141,7 @@ class Controller:
         if handle is not None:
             handle.cancel()
         self._locks.pop(key, None)
+        self._written.pop(key, None)
 
     async def resync_forever(self) -> None:
         while True:
@@ -166,29 +183,32 @@ class Controller:
         ns, name = job.metadata.namespace, job.metadata.name
         if plan.delete_job:
             self.kube.delete(t.KIND, ns, name)
-            self._post(body, plan)
+            self._post(body, plan.events)
             return
         # Status first: a restart is recorded (restarts += 1) before its RayJob exists, so a crash in
         # between resumes the same attempt instead of starting another.
         if status_changed(body.get("status"), plan.status):
-            self.kube.merge_patch(t.KIND, ns, name, {"status": plan.status}, subresource="status")
+            self._written[(ns, name)] = self.kube.merge_patch(t.KIND, ns, name, {"status": plan.status},
+                                                              subresource="status")
+        events = plan.events
         for obj in plan.apply:
-            if obj["kind"] == "RayJob":
-                self.kube.create(obj)
-            else:
+            if obj["kind"] != "RayJob":
                 self.kube.apply(obj)
+            elif not self.kube.create(obj):
+                # Already there (the watch had not shown it yet): adopted, not created again.
+                events = [e for e in events if e.reason != "Creating"]
         if plan.suspend is not None:
             ray_job, suspend = plan.suspend
             self.kube.merge_patch("RayJob", ns, ray_job, {"spec": {"suspend": suspend}})
         for ray_job in plan.delete_ray_jobs:
             self.kube.delete("RayJob", ns, ray_job)
-        if any(e.reason == "Restarting" for e in plan.events):
+        if any(e.reason == "Restarting" for e in events):
             self.metrics.restarts.inc()
-        self._post(body, plan)
+        self._post(body, events)
 
     @staticmethod
-    def _post(body: dict[str, Any], plan: Plan) -> None:
-        for event in plan.events:
+    def _post(body: dict[str, Any], events: list[Event]) -> None:
+        for event in events:
             kopf.event(body, type=event.type, reason=event.reason, message=event.message[:1024])
 
 
