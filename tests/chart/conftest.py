@@ -48,3 +48,13 @@ def helm(tmp_path_factory) -> Helm:
 
 def by_kind(objects: list[dict], kind: str) -> list[dict]:
     return [o for o in objects if o["kind"] == kind]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that ran the operator shows the operator's log."""
+    outcome = yield
+    report = outcome.get_result()
+    release = getattr(item, "funcargs", {}).get("release")
+    if report.when == "call" and report.failed and release is not None:
+        report.sections.append(("kuberl operator log", release.operator.tail()))
