@@ -37,7 +37,11 @@ class ModelOptions:
 def load_config(model_path: str, options: ModelOptions):
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=options.trust_remote_code)
+    return prepare_config(AutoConfig.from_pretrained(model_path, trust_remote_code=options.trust_remote_code),
+                          options)
+
+
+def prepare_config(config, options: ModelOptions):
     config._attn_implementation = options.attn_implementation
     if options.moe_experts == "stock":
         # The library's per-expert Python loop, i.e. what a plain from_pretrained trains with
@@ -116,7 +120,8 @@ def broadcast_full_state(model: nn.Module, source: nn.Module | None, device: tor
         numels = [t.numel() for _, t in bucket]
         flat = torch.empty(sum(numels), dtype=bucket[0][1].dtype, device=device)
         if src is not None:
-            torch.cat([src[name].detach().reshape(-1).to(flat.dtype) for name, _ in bucket], out=flat)
+            # Packed on the host (where rank 0 read the checkpoint), then one copy to the device.
+            flat.copy_(torch.cat([src[name].detach().reshape(-1).to(flat.dtype) for name, _ in bucket]))
         dist.broadcast(flat, src=0)
         for (name, target), full in zip(bucket, flat.split(numels)):
             full = full.view(target.shape)
@@ -152,6 +157,7 @@ def init_random_sharded_model(config, mesh: DeviceMesh, device: torch.device, op
                               seed: int = 0) -> nn.Module:
     """Benchmarks: a model from a config with random weights, built directly on ``device`` per
     layer shard (no checkpoint exists; same sharding and wrappers as ``load_sharded_model``)."""
+    config = prepare_config(config, options)
     with torch.device("meta"):
         model = _build(config, options)
     model = shard_model(model, mesh, options)

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from kuberl.samples import SampleError, TrainBatch
 from kuberl.train import loss as L
-from kuberl.train.model import ModelOptions, load_config, load_sharded_model
+from kuberl.train.model import ModelOptions, init_random_sharded_model, load_config, load_sharded_model
 from kuberl.train.moe import is_moe_config
 
 log = logging.getLogger("kuberl.train")
@@ -133,8 +133,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 class TrainerWorker:
     """One rank. Every public method is collective: all ranks call it with the same arguments."""
 
-    def __init__(self, model_path: str, config: TrainerConfig, *, rank: int, world_size: int,
-                 master_addr: str, master_port: int, device: torch.device):
+    def __init__(self, model_path: str | None, config: TrainerConfig, *, rank: int, world_size: int,
+                 master_addr: str, master_port: int, device: torch.device, random_init_config=None):
+        """Loads ``model_path``; or, given ``random_init_config`` (a transformers config: benchmarks
+        on machines that cannot download a model), builds that model with random weights."""
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self.config = config
         self.model_path = model_path
@@ -148,12 +150,20 @@ class TrainerWorker:
         random.seed(config.seed + rank)
         np.random.seed(config.seed + rank)
         torch.manual_seed(config.seed + rank)
-        self.hf_config = load_config(model_path, config.model)
+        if random_init_config is not None:
+            if config.kl_coef > 0:
+                raise ValueError("a randomly initialised model has no reference policy; use klCoef 0")
+            self.hf_config = random_init_config
+            self.model = init_random_sharded_model(random_init_config, self.mesh, self.device, config.model,
+                                                   seed=config.seed)
+            self.ref_model = None
+        else:
+            self.hf_config = load_config(model_path, config.model)
+            self.model = load_sharded_model(model_path, self.mesh, self.device, config.model)
+            # The reference policy is the initial weights, frozen; kept only when the KL term is used.
+            self.ref_model = (load_sharded_model(model_path, self.mesh, self.device, config.model, trainable=False)
+                              if config.kl_coef > 0 else None)
         self.is_moe = is_moe_config(self.hf_config)
-        self.model = load_sharded_model(model_path, self.mesh, self.device, config.model)
-        # The reference policy is the initial weights, frozen; only kept when the KL term is used.
-        self.ref_model = (load_sharded_model(model_path, self.mesh, self.device, config.model, trainable=False)
-                          if config.kl_coef > 0 else None)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
                                            weight_decay=config.weight_decay)
         warmup = config.warmup_steps
@@ -340,12 +350,13 @@ class TrainerWorker:
     def _save_hf(self, path: str, state_dict: dict[str, torch.Tensor]) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        config = load_config(self.model_path, ModelOptions(trust_remote_code=self.config.model.trust_remote_code))
+        config = (load_config(self.model_path, ModelOptions(trust_remote_code=self.config.model.trust_remote_code))
+                  if self.model_path is not None else self.hf_config)
         with torch.device("meta"):
             shell = AutoModelForCausalLM.from_config(config, trust_remote_code=self.config.model.trust_remote_code)
         shell.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
         tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-        if any((Path(self.model_path) / name).exists() for name in tokenizer_files):
+        if self.model_path is not None and any((Path(self.model_path) / name).exists() for name in tokenizer_files):
             AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=self.config.model.trust_remote_code
                                           ).save_pretrained(path)
 
