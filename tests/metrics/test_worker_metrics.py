@@ -1,0 +1,121 @@
+"""kuberl.metrics: names, units and labels of the worker series, what record_step exports from the
+driver's per-step dict, the exporter over HTTP, and `promtool check metrics` on its exposition."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kuberl.metrics import LABELS, Identity, WorkerMetrics, record_step
+
+IDENTITY = Identity(job="grpo", namespace="team-a", role="trainer", rank="3")
+PREFIXES = ("kuberl_train_", "kuberl_rollout_", "kuberl_sync_", "kuberl_checkpoint_", "kuberl_stage_")
+UNITLESS = {"kuberl_train_step", "kuberl_train_reward_mean", "kuberl_train_kl", "kuberl_train_loss",
+            "kuberl_train_pg_loss", "kuberl_train_grad_norm"}
+
+# One step dict as the driver builds it: the FSDP worker's train_step keys plus the driver's own.
+DRIVER_STEP = {
+    "loss": 0.42, "pg_loss": 0.40, "kl": 0.02, "entropy": 1.1, "aux_loss": 0.0, "clipped_tokens": 3.0, "tokens": 640,
+    "grad_norm": 0.9, "lr": 1e-6, "skipped": 0.0, "skipped_total": 0.0, "optimizer_steps": 5.0,
+    "reward_mean": 0.75, "reward_std": 0.2, "response_length": 12.5, "step_seconds": 1.25,
+    "tokens_per_second": 512.0, "weight_sync_seconds": 0.05, "weight_sync_bytes": 4096, "step": 5, "mfu": 0.31,
+}
+
+
+@pytest.fixture
+def registry():
+    return CollectorRegistry()
+
+
+def value(registry, name: str, **extra) -> float | None:
+    return registry.get_sample_value(name, {**{k: getattr(IDENTITY, k) for k in LABELS}, **extra})
+
+
+def test_import_does_not_load_prometheus_client():
+    code = "import sys, kuberl.metrics; print('prometheus_client' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_every_series_exists_at_zero_before_the_first_step(registry):
+    WorkerMetrics(IDENTITY, registry)
+    assert value(registry, "kuberl_train_skipped_steps_total") == 0
+    assert value(registry, "kuberl_sync_bytes_total") == 0
+    assert value(registry, "kuberl_checkpoint_last_bytes") == 0
+    assert value(registry, "kuberl_sync_duration_seconds_count") == 0
+
+
+def test_names_carry_units_and_every_series_the_four_labels(registry):
+    WorkerMetrics(IDENTITY, registry)
+    families = list(registry.collect())
+    assert families
+    for family in families:
+        assert family.name.startswith(PREFIXES), family.name
+        if family.type == "counter":
+            assert family.name.endswith(("_bytes", "_seconds", "_tokens", "_steps", "_saves")), family.name
+        elif family.type == "histogram":
+            assert family.name.endswith("_seconds"), family.name
+        elif family.name not in UNITLESS:
+            assert family.name.endswith(("_seconds", "_bytes", "_ratio", "_per_second")), family.name
+        for sample in family.samples:
+            assert {k: sample.labels[k] for k in LABELS} == {"job": "grpo", "namespace": "team-a", "role": "trainer", "rank": "3"}
+
+
+def test_record_step_exports_the_driver_dict(registry):
+    metrics = WorkerMetrics(IDENTITY, registry)
+    metrics.record_step(DRIVER_STEP)
+    metrics.record_step({**DRIVER_STEP, "step": 6, "skipped": 1.0, "grad_norm": math.nan})
+    assert value(registry, "kuberl_train_step") == 6
+    assert value(registry, "kuberl_train_reward_mean") == 0.75
+    assert value(registry, "kuberl_train_kl") == 0.02
+    assert value(registry, "kuberl_train_loss") == 0.42
+    assert value(registry, "kuberl_train_pg_loss") == 0.40
+    assert value(registry, "kuberl_train_grad_norm") == 0.9   # the skipped step's NaN norm is not exported
+    assert value(registry, "kuberl_train_tokens_per_second") == 512.0
+    assert value(registry, "kuberl_train_mfu_ratio") == 0.31
+    assert value(registry, "kuberl_train_steps_total") == 2
+    assert value(registry, "kuberl_train_skipped_steps_total") == 1
+    assert value(registry, "kuberl_train_step_duration_seconds_sum") == 2.5
+    assert value(registry, "kuberl_sync_duration_seconds_count") == 2
+    assert value(registry, "kuberl_sync_bytes_total") == 8192
+
+
+def test_rollout_checkpoint_and_stage_records(registry):
+    metrics = WorkerMetrics(IDENTITY, registry)
+    metrics.record_rollout(tokens=300, seconds=1.5)
+    metrics.record_checkpoint(seconds=2.0, nbytes=1000)
+    metrics.record_checkpoint(seconds=3.0, nbytes=500)
+    metrics.record_stage(nbytes=10 << 20, seconds=4.0)
+    assert value(registry, "kuberl_rollout_tokens_total") == 300
+    assert value(registry, "kuberl_rollout_seconds_total") == 1.5
+    assert value(registry, "kuberl_checkpoint_last_duration_seconds") == 3.0
+    assert value(registry, "kuberl_checkpoint_last_bytes") == 500
+    assert value(registry, "kuberl_checkpoint_bytes_total") == 1500
+    assert value(registry, "kuberl_checkpoint_saves_total") == 2
+    assert value(registry, "kuberl_stage_bytes_total") == 10 << 20
+
+
+def test_record_without_exporter_is_a_no_op():
+    record_step(DRIVER_STEP)  # a local run: nothing started, nothing raised
+
+
+def test_exporter_without_port_names_the_env_variable():
+    code = ("import os, kuberl.metrics as m\nos.environ.pop('KUBERL_METRICS_PORT', None)\n"
+            "try:\n m.start_exporter()\nexcept ValueError as e:\n print(e)\n"
+            "os.environ['KUBERL_METRICS_PORT'] = 'ninety'\n"
+            "try:\n m.start_exporter()\nexcept ValueError as e:\n print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "KUBERL_METRICS_PORT is unset" in out
+    assert "KUBERL_METRICS_PORT='ninety' is not a port number" in out
+
+
+def test_exporter_over_http_passes_promtool_lint(worker_feeds, prometheus_binaries):
+    feed = worker_feeds("grpo", "team-a", "trainer", 1)
+    text = feed.scrape()
+    assert 'kuberl_train_steps_total{job="grpo",namespace="team-a",rank="1",role="trainer"}' in text
+    _, promtool = prometheus_binaries
+    lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
