@@ -21,3 +21,15 @@ def test_nested_prefixes_and_empty_files(s3, tmp_path):
     assert by_path["config.json"]["etag"] == hashlib.md5(b'{"a": 1}').hexdigest()
     assert by_path["config.json"]["checksum"] == "md5"
     assert by_path["weights/deep/er/empty.bin"]["size"] == 0
+
+
+def test_progress_log_lines_when_not_a_terminal(s3, tmp_path, caplog):
+    import io
+    import logging
+
+    fs, bucket = s3
+    fs.pipe({f"{bucket}/p/f{i}": b"z" * 1000 for i in range(20)})
+    with caplog.at_level(logging.INFO, logger="kuberl.storage"):
+        stage(f"s3://{bucket}/p", tmp_path, progress_stream=io.StringIO(), log_interval_s=0)
+    lines = [r.getMessage() for r in caplog.records if "ETA" in r.getMessage()]
+    assert lines and "/20 files" in lines[-1] and "19.5 KiB / 19.5 KiB (100%)" in lines[-1]

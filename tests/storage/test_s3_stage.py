@@ -49,7 +49,7 @@ def test_one_gib_file_in_parallel_ranges(s3, tmp_path):
             f.seek(offset)
             f.write(offset.to_bytes(8, "little"))
     fs.put_file(str(src), f"{bucket}/ckpt/big.bin")
-    result = stage(f"s3://{bucket}/ckpt", tmp_path / "dst", part_size=64 << 20, workers=8)
+    result = stage(f"s3://{bucket}/ckpt", tmp_path / "dst", part_size=128 << 20, workers=4)
     assert result.downloaded_bytes == size
     got = tmp_path / "dst" / "big.bin"
     assert got.stat().st_size == size
