@@ -60,3 +60,9 @@ def test_crd_names_and_printer_columns():
     assert columns["Total"] == ".spec.algorithm.totalSteps"
     assert columns["Reward"] == ".status.progress.reward"
     assert columns["Age"] == ".metadata.creationTimestamp"
+
+
+def test_api_reference_is_generated_from_the_types():
+    from kuberl.api.docs import DOC_PATH, render_docs
+
+    assert DOC_PATH.read_text() == render_docs(), "docs/api.md is stale: run `python -m kuberl.api.docs --write`"
