@@ -1,0 +1,42 @@
+"""The weight-sync interface shared by the three methods."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+
+@dataclass
+class SyncStats:
+    version: int
+    bytes: int  # payload bytes each engine worker received
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class WeightSync(abc.ABC):
+    """Pushes the trainer's current weights into every rollout engine.
+
+    ``trainer_group.execute(fn, *args)`` runs ``fn(worker, *args)`` on every trainer rank and
+    returns the results in rank order; ``engine_pool.engines`` are the RolloutEngine actors.
+    """
+
+    def __init__(self, spec, trainer_group, engine_pool):
+        self.spec = spec
+        self.trainer_group = trainer_group
+        self.engine_pool = engine_pool
+        self.bucket_bytes = spec.weight_sync.bucket_size_mb * 1024 * 1024
+
+    @abc.abstractmethod
+    def setup(self) -> None:
+        """One-time wiring (process groups, directories); call before the first ``sync``."""
+
+    @abc.abstractmethod
+    def sync(self, version: int) -> SyncStats:
+        """Send the weights; engines pause, load, reset their prefix cache, resume at ``version``."""
+
+    def close(self) -> None:
+        """Release what ``setup`` created."""
