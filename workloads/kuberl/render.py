@@ -104,6 +104,17 @@ def _local_path(uri: str, staged_dir: str) -> str:
     return staged_dir
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+
+
+def _model_source(model: t.ModelSpec) -> str:
+    """The stager's source: a Hugging Face revision travels in the URI (hf://org/name@revision)."""
+    parsed = uris.parse(model.uri, "spec.model.uri")
+    if parsed.scheme == "hf" and model.revision and not parsed.revision:
+        return f"hf://{parsed.bucket}@{model.revision}"
+    return model.uri
+
+
 def _needs_stage(uri: str) -> bool:
     return uris.parse(uri).scheme in ("s3", "gs", "hf")
 
@@ -177,11 +188,10 @@ def _init_containers(job: t.RLTrainingJob, role: str, res: t.Resources, resume: 
     spec = job.spec
     out = []
     if _needs_stage(spec.model.uri):
-        extra = ["--revision", spec.model.revision] if spec.model.revision else []
-        if role == "head":
-            # The driver needs the tokenizer and config, not the weights.
-            extra.append("--tokenizer-only")
-        out.append(_stage_container(job, "stage-model", spec.model.uri, MODEL_DIR, spec.model.credentials, res, extra))
+        # The driver needs the tokenizer and config, not the weights.
+        extra = [arg for glob in WEIGHT_FILES for arg in ("--exclude", glob)] if role == "head" else []
+        out.append(_stage_container(job, "stage-model", _model_source(spec.model), MODEL_DIR,
+                                    spec.model.credentials, res, extra))
     if role == "head" and _needs_stage(spec.data.uri):
         out.append(_stage_container(job, "stage-data", spec.data.uri, DATA_DIR, spec.data.credentials, res, []))
     if role != "head" and resume and uris.parse(resume).scheme in ("s3", "gs"):
