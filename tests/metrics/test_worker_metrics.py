@@ -40,16 +40,26 @@ def test_import_does_not_load_prometheus_client():
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
-def test_every_series_exists_at_zero_before_the_first_step(registry):
-    WorkerMetrics(IDENTITY, registry)
+def test_series_appear_with_the_first_record_of_their_kind(registry):
+    metrics = WorkerMetrics(IDENTITY, registry)
+    assert value(registry, "kuberl_train_steps_total") is None
+    metrics.record_rollout(tokens=10, seconds=0.1)
+    # A rollout process exports no training series (no zeros to drag a dashboard average down).
+    assert value(registry, "kuberl_train_reward_mean") is None
+    assert value(registry, "kuberl_train_skipped_steps_total") is None
+    metrics.record_step({"step": 1, "reward_mean": 0.5, "weight_sync_seconds": 0.1})
     assert value(registry, "kuberl_train_skipped_steps_total") == 0
     assert value(registry, "kuberl_sync_bytes_total") == 0
-    assert value(registry, "kuberl_checkpoint_last_bytes") == 0
-    assert value(registry, "kuberl_sync_duration_seconds_count") == 0
+    assert value(registry, "kuberl_train_mfu_ratio") is None   # the step reported no MFU
+    assert value(registry, "kuberl_checkpoint_last_bytes") is None
 
 
 def test_names_carry_units_and_every_series_the_four_labels(registry):
-    WorkerMetrics(IDENTITY, registry)
+    metrics = WorkerMetrics(IDENTITY, registry)
+    metrics.record_step(DRIVER_STEP)
+    metrics.record_rollout(tokens=1, seconds=1.0)
+    metrics.record_checkpoint(seconds=1.0, nbytes=1)
+    metrics.record_stage(nbytes=1, seconds=1.0)
     families = list(registry.collect())
     assert families
     for family in families:
@@ -60,6 +70,7 @@ def test_names_carry_units_and_every_series_the_four_labels(registry):
             assert family.name.endswith("_seconds"), family.name
         elif family.name not in UNITLESS:
             assert family.name.endswith(("_seconds", "_bytes", "_ratio", "_per_second")), family.name
+        assert family.samples, family.name
         for sample in family.samples:
             assert {k: sample.labels[k] for k in LABELS} == {"job": "grpo", "namespace": "team-a", "role": "trainer", "rank": "3"}
 

@@ -62,9 +62,11 @@ class Identity:
 
 
 class WorkerMetrics:
-    """The metric families of one worker process, their children bound to its ``Identity``.
+    """The metric families of one worker process; its series carry the process's ``Identity``.
 
-    Children are created up front so every series exists (at 0) from the first scrape: a
+    A series appears with the first record of its kind, never before: a rollout process exports
+    no ``kuberl_train_*`` zeros that would drag a dashboard's average down, and a driver that
+    computes no MFU exports no MFU. From its first step on, the step counters exist (at 0), so a
     dashboard shows "0 skipped steps", not "No data".
     """
 
@@ -72,17 +74,18 @@ class WorkerMetrics:
         from prometheus_client import Counter, Gauge, Histogram
 
         self.identity = identity
+        self.values = tuple(getattr(identity, name) for name in LABELS)
         labels = list(LABELS)
 
         def gauge(name: str, doc: str):
-            return Gauge(name, doc, labels, registry=registry).labels(*self._values())
+            return Gauge(name, doc, labels, registry=registry)
 
         def counter(name: str, doc: str):
             # prometheus-client appends the _total suffix itself.
-            return Counter(name.removesuffix("_total"), doc, labels, registry=registry).labels(*self._values())
+            return Counter(name.removesuffix("_total"), doc, labels, registry=registry)
 
         def histogram(name: str, doc: str, buckets):
-            return Histogram(name, doc, labels, buckets=buckets, registry=registry).labels(*self._values())
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry)
 
         self.step = gauge("kuberl_train_step", "Last completed training step")
         self.reward_mean = gauge("kuberl_train_reward_mean", "Mean reward of the last step's rollouts")
@@ -111,39 +114,39 @@ class WorkerMetrics:
         self.stage_bytes = counter("kuberl_stage_bytes_total", "Bytes staged (downloaded) into the pod")
         self.stage_seconds = counter("kuberl_stage_seconds_total", "Seconds spent staging")
 
-    def _values(self) -> tuple[str, ...]:
-        return tuple(getattr(self.identity, name) for name in LABELS)
+    def _mine(self, family):
+        """This process's series of ``family`` (created at 0 on first use)."""
+        return family.labels(*self.values)
 
     def record_step(self, metrics: Mapping[str, Any]) -> None:
         """Export one step's dict from the driver. Keys it does not know are ignored (the driver's
-        dict carries more than we export); absent keys leave their gauge at the last value."""
+        dict carries more than we export); absent or non-finite values (a skipped step's NaN grad
+        norm) leave their gauge at the last value."""
         for key, attr in STEP_GAUGES.items():
             value = metrics.get(key)
             if value is not None and math.isfinite(float(value)):
-                getattr(self, attr).set(float(value))
-        self.steps.inc()
-        if metrics.get("skipped"):
-            self.skipped_steps.inc(int(metrics["skipped"]))
+                self._mine(getattr(self, attr)).set(float(value))
+        self._mine(self.steps).inc()
+        self._mine(self.skipped_steps).inc(int(metrics.get("skipped") or 0))
         if metrics.get("step_seconds") is not None:
-            self.step_duration.observe(float(metrics["step_seconds"]))
+            self._mine(self.step_duration).observe(float(metrics["step_seconds"]))
         if metrics.get("weight_sync_seconds") is not None:
-            self.sync_duration.observe(float(metrics["weight_sync_seconds"]))
-        if metrics.get("weight_sync_bytes"):
-            self.sync_bytes.inc(float(metrics["weight_sync_bytes"]))
+            self._mine(self.sync_duration).observe(float(metrics["weight_sync_seconds"]))
+            self._mine(self.sync_bytes).inc(float(metrics.get("weight_sync_bytes") or 0))
 
     def record_rollout(self, tokens: int, seconds: float) -> None:
-        self.rollout_tokens.inc(tokens)
-        self.rollout_seconds.inc(seconds)
+        self._mine(self.rollout_tokens).inc(tokens)
+        self._mine(self.rollout_seconds).inc(seconds)
 
     def record_checkpoint(self, seconds: float, nbytes: int) -> None:
-        self.checkpoint_last_duration.set(seconds)
-        self.checkpoint_last_bytes.set(nbytes)
-        self.checkpoint_bytes.inc(nbytes)
-        self.checkpoints.inc()
+        self._mine(self.checkpoint_last_duration).set(seconds)
+        self._mine(self.checkpoint_last_bytes).set(nbytes)
+        self._mine(self.checkpoint_bytes).inc(nbytes)
+        self._mine(self.checkpoints).inc()
 
     def record_stage(self, nbytes: int, seconds: float) -> None:
-        self.stage_bytes.inc(nbytes)
-        self.stage_seconds.inc(seconds)
+        self._mine(self.stage_bytes).inc(nbytes)
+        self._mine(self.stage_seconds).inc(seconds)
 
 
 _lock = threading.Lock()
