@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p_build.set_defaults(fn=_cmd_build)
     p_up = sub.add_parser("up", help="start a cluster in the foreground")
     p_up.add_argument("--nodes", type=int, default=3, help="number of fake GPU nodes (default 3)")
-    p_up.add_argument("--no-kuberay", action="store_true", help="do not start the KubeRay operator")
+    p_up.add_argument("--no-kuberay", action="store_true", help="no KubeRay (neither its CRDs nor its operator)")
     p_up.set_defaults(fn=_cmd_up)
     p_down = sub.add_parser("down", help="stop the cluster started by `up`")
     p_down.set_defaults(fn=_cmd_down)

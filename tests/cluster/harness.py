@@ -135,6 +135,7 @@ class Cluster:
     """Start/stop a loopback control plane; see the module docstring."""
 
     def __init__(self, workdir: Path | None = None, nodes: int = 3, kuberay: bool = True) -> None:
+        """`kuberay=False`: neither the KubeRay CRDs nor its operator (a faster, plain cluster)."""
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kuberl-cluster-"))
         self.log_dir = self.workdir / "logs"
         self.pki_dir = self.workdir / "pki"
@@ -172,9 +173,15 @@ class Cluster:
             self._step("certificates", self._make_pki)
             self._step("etcd", self._start_etcd)
             self._step("kube-apiserver", self._start_apiserver)
-            self._step("kuberay-crds", self._install_kuberay_crds)
-            self._step("controllers", self._start_controllers)
-            self._step("nodes", self._add_nodes)
+            if self.with_kuberay:
+                self._step("kuberay-crds-create", self._create_kuberay_crds)
+            # Nodes, KWOK and the scheduler need no CRD: start them while the
+            # (large) KubeRay CRDs get established, which takes seconds.
+            self._step("nodes+kwok+scheduler", self._start_node_side)
+            if self.with_kuberay:
+                self._step("kuberay-crds-established", self._wait_kuberay_crds)
+            # After the CRDs: the garbage collector discovers ray.io kinds at start.
+            self._step("controller-manager", self._start_controller_manager)
             if self.with_kuberay:
                 self._step("kuberay-operator", self._start_kuberay)
             self._step("ready", self._wait_ready)
@@ -189,8 +196,14 @@ class Cluster:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        # Signal every component at once, then wait on one shared deadline:
+        # stopping them one by one would add up their shutdown times.
         for process in reversed(self.processes):
-            process.stop()
+            process.terminate()
+        # kube-apiserver drains for longer than a throwaway cluster needs.
+        deadline = time.monotonic() + 2.0
+        for process in reversed(self.processes):
+            process.reap(deadline)
         if self._api_client is not None:
             self._api_client.close()
         shutil.rmtree(self.workdir / "etcd-data", ignore_errors=True)
@@ -293,17 +306,23 @@ class Cluster:
         self._apiserver = apiserver
         _wait("kube-apiserver /readyz", lambda: self._api_ok("/readyz"), 90, [apiserver], interval=0.2)
 
-    def _install_kuberay_crds(self) -> None:
+    def _create_kuberay_crds(self) -> None:
         files = [*sorted(kuberay_crd_dir().glob("ray.io_*.yaml")), data_path("kuberay-operator")]
         # Straight to the API: a kubectl process per file costs seconds under load.
         for path in files:
             for crd in yaml.safe_load_all(path.read_text()):
                 if crd:
                     self._api_create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
-        for name in ("rayclusters.ray.io", "rayjobs.ray.io", "rayservices.ray.io"):
-            _wait(f"CRD {name} Established", lambda: self.crd_established(name), 60, self.processes)
 
-    def _start_controllers(self) -> None:
+    def _wait_kuberay_crds(self) -> None:
+        for name in ("rayclusters.ray.io", "rayjobs.ray.io", "rayservices.ray.io"):
+            _wait(f"CRD {name} Established", lambda: self.crd_established(name), 90, self.processes)
+
+    def _start_node_side(self) -> None:
+        self._start_scheduler_and_kwok()
+        self._add_nodes()
+
+    def _start_controller_manager(self) -> None:
         kcm = self.kubeconfigs["controller-manager"]
         self._controller_manager = self._spawn(
             "kube-controller-manager",
@@ -328,6 +347,8 @@ class Cluster:
                 "--kube-api-burst=400",
             ],
         )
+
+    def _start_scheduler_and_kwok(self) -> None:
         sched = self.kubeconfigs["scheduler"]
         self._scheduler = self._spawn(
             "kube-scheduler",

@@ -60,22 +60,29 @@ class Process:
         if code is not None:
             raise ComponentExited(self, code)
 
-    def stop(self, grace: float = 10.0) -> None:
-        if self._popen is None or self._popen.poll() is not None:
+    def terminate(self) -> None:
+        """Send SIGTERM to the process group (no wait)."""
+        if self._popen is not None and self._popen.poll() is None:
+            try:
+                os.killpg(self._popen.pid, signal.SIGTERM)  # start_new_session: pid == pgid
+            except ProcessLookupError:
+                pass
+
+    def reap(self, deadline: float) -> None:
+        """Wait until `deadline` (time.monotonic) for the process to end, then SIGKILL its group."""
+        if self._popen is None:
             return
-        pgid = self._popen.pid  # start_new_session: the child leads its own group
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + grace
         while time.monotonic() < deadline and self._popen.poll() is None:
             time.sleep(0.05)
         try:
-            os.killpg(pgid, signal.SIGKILL)
+            os.killpg(self._popen.pid, signal.SIGKILL)  # also reaps anything it left in its group
         except ProcessLookupError:
             pass
         self._popen.wait()
+
+    def stop(self, grace: float = 5.0) -> None:
+        self.terminate()
+        self.reap(time.monotonic() + grace)
 
 
 class ComponentExited(RuntimeError):

@@ -122,3 +122,15 @@ def test_service_account_client_has_only_the_rights_rbac_grants(k8s_cluster, nam
         ).stdout
     )
     assert whoami["status"]["userInfo"]["username"] == f"system:serviceaccount:{namespace}:restricted"
+
+
+def test_helm_installs_a_chart_whose_deployment_becomes_available(k8s_cluster, namespace, tmp_path):
+    k8s_cluster.helm("create", str(tmp_path / "hello"))
+    k8s_cluster.helm(
+        "install", "hello", str(tmp_path / "hello"), "-n", namespace, "--wait", "--timeout=90s",
+        "--set", "image.repository=example.invalid/never-pulled",
+    )
+    status = json.loads(k8s_cluster.helm("status", "hello", "-n", namespace, "-o", "json").stdout)
+    assert status["info"]["status"] == "deployed"
+    deployment = get_json(k8s_cluster, "deployment", "hello", "-n", namespace)
+    assert deployment["status"].get("availableReplicas") == 1
