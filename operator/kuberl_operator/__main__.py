@@ -14,11 +14,12 @@ import asyncio
 import logging
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import kopf
 from prometheus_client import start_http_server
 
-from kuberl_operator.handlers import Controller, register
+from kuberl_operator.handlers import Controller, NoDiffBase, register
 from kuberl_operator.kube import Kube, load_client
 from kuberl_operator.metrics import Metrics
 from kuberl_operator.reconcile import Settings
@@ -45,12 +46,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds before the first restart of a failed RayJob; doubles per restart")
     p.add_argument("--restart-backoff-max", type=float, default=300.0, help="cap of the restart backoff")
     p.add_argument("--resync", type=float, default=60.0, help="seconds between full resyncs of every job")
+    p.add_argument("--workers", type=int, default=16,
+                   help="reconciles running at once (threads: the kubernetes client blocks on I/O)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     if not args.namespace and not args.all_namespaces:
         p.error("give --namespace NS (repeatable) or --all-namespaces")
     for value, flag in ((args.restart_backoff, "--restart-backoff"), (args.restart_backoff_max, "--restart-backoff-max"),
-                        (args.resync, "--resync")):
+                        (args.resync, "--resync"), (args.workers, "--workers")):
         if value <= 0:
             p.error(f"{flag} must be > 0, got {value}")
     return args
@@ -59,6 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 async def run(args: argparse.Namespace) -> None:
     settings = Settings(restart_backoff_seconds=args.restart_backoff,
                         restart_backoff_max_seconds=args.restart_backoff_max, resync_seconds=args.resync)
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(args.workers, thread_name_prefix="reconcile"))
     registry = kopf.OperatorRegistry()
     register(registry)
     controller = Controller(Kube(load_client(args.kubeconfig)), settings, Metrics(lambda: controller.job_phases()))
@@ -70,6 +74,7 @@ async def run(args: argparse.Namespace) -> None:
     # operator posts its own transition events explicitly.
     operator_settings.posting.level = logging.WARNING
     operator_settings.watching.server_timeout = 300
+    operator_settings.persistence.diffbase_storage = NoDiffBase()
     resync = asyncio.create_task(controller.resync_forever())
     try:
         await kopf.operator(

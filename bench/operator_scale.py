@@ -1,0 +1,202 @@
+"""How fast the kuberl operator turns many RLTrainingJobs into RayJobs, against a real API server.
+
+Starts the test control plane (etcd, kube-apiserver, kube-controller-manager, scheduler, KWOK
+nodes, the real KubeRay operator), starts ``python -m kuberl_operator`` as a subprocess, creates
+``--jobs`` RLTrainingJobs at ``--rate`` per second and watches what appears:
+
+- create -> RayJob created (the operator rendered and created it),
+- create -> status.phase set (the operator's first status write),
+- RayJob created -> RayCluster created (KubeRay's step, the reference measured in the same run),
+
+plus the operator's peak RSS (VmHWM). Latencies are wall-clock times at which one watching
+client saw each object appear, so watch delivery is included for both operators alike.
+
+    python bench/operator_scale.py --jobs 1000 --rate 20 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.cluster.harness import Cluster  # noqa: E402  (the repo's harness, not an installed package)
+
+NAMESPACE = "bench"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+class Watcher(threading.Thread):
+    """Records the first time each object of a list function appears (optionally: with a condition)."""
+
+    def __init__(self, list_fn, args, ready=lambda obj: True) -> None:
+        super().__init__(daemon=True)
+        self.list_fn, self.args, self.ready = list_fn, args, ready
+        self.seen: dict[str, float] = {}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        import kubernetes
+
+        while not self.stop.is_set():
+            watch = kubernetes.watch.Watch()
+            try:
+                for event in watch.stream(self.list_fn, *self.args, timeout_seconds=60):
+                    obj = event["object"]
+                    obj = obj if isinstance(obj, dict) else obj.to_dict()
+                    name = obj["metadata"]["name"]
+                    if name not in self.seen and event["type"] in ("ADDED", "MODIFIED") and self.ready(obj):
+                        self.seen[name] = time.monotonic()
+                    if self.stop.is_set():
+                        break
+            except Exception:  # a dropped watch is re-opened; list+watch replays ADDED events
+                time.sleep(0.2)
+
+
+def job_manifest(name: str) -> dict:
+    manifest = yaml.safe_load((REPO / "examples" / "grpo-tiny-cpu.yaml").read_text())
+    manifest["metadata"] = {"name": name, "namespace": NAMESPACE}
+    return manifest
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_peak_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run(jobs: int, rate: float, timeout: float) -> dict:
+    import kubernetes
+
+    with Cluster() as cluster:
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds" / "rltrainingjobs.kuberl.dev.yaml"))
+        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/rltrainingjobs.kuberl.dev")
+        cluster.kubectl("create", "namespace", NAMESPACE)
+        client = cluster.api_client()
+        custom = kubernetes.client.CustomObjectsApi(client)
+        watchers = {
+            "rayjob": Watcher(custom.list_namespaced_custom_object, ("ray.io", "v1", NAMESPACE, "rayjobs")),
+            "raycluster": Watcher(custom.list_namespaced_custom_object, ("ray.io", "v1", NAMESPACE, "rayclusters")),
+            "status": Watcher(custom.list_namespaced_custom_object,
+                              ("kuberl.dev", "v1alpha1", NAMESPACE, "rltrainingjobs"),
+                              ready=lambda o: bool((o.get("status") or {}).get("phase"))),
+        }
+        for w in watchers.values():
+            w.start()
+        log = open(cluster.workdir / "logs" / "kuberl-operator.log", "wb")
+        operator = subprocess.Popen(
+            [sys.executable, "-m", "kuberl_operator", "--namespace", NAMESPACE, "--kubeconfig", str(cluster.kubeconfig),
+             "--metrics-port", "0", "--liveness", "", "--log-level", "WARNING"],
+            stdout=log, stderr=subprocess.STDOUT)
+        try:
+            time.sleep(3)  # the operator's watches are open before the first job arrives
+            created: dict[str, float] = {}
+
+            def create(name: str) -> None:
+                began = time.monotonic()
+                custom.create_namespaced_custom_object("kuberl.dev", "v1alpha1", NAMESPACE, "rltrainingjobs", job_manifest(name))
+                created[name] = began
+
+            names = [f"job-{i:05d}" for i in range(jobs)]
+            start = time.monotonic()
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                for i, name in enumerate(names):
+                    delay = start + i / rate - time.monotonic()
+                    if delay > 0:
+                        time.sleep(delay)
+                    pool.submit(create, name)
+            create_seconds = time.monotonic() - start
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if all(len(w.seen) >= jobs for w in watchers.values()):
+                    break
+                time.sleep(0.5)
+            peak = rss_peak_mib(operator.pid)
+            cpu = cpu_seconds(operator.pid)
+            wall = time.monotonic() - start
+        finally:
+            operator.terminate()
+            operator.wait(timeout=30)
+            for w in watchers.values():
+                w.stop.set()
+
+        ray_jobs, clusters, status = (watchers[k].seen for k in ("rayjob", "raycluster", "status"))
+        to_ray_job = [ray_jobs[n] - created[n] for n in names if n in ray_jobs and n in created]
+        to_status = [status[n] - created[n] for n in names if n in status and n in created]
+        # RayCluster names are <rayjob>-<suffix>.
+        by_job = {c.rsplit("-", 1)[0]: t for c, t in clusters.items()}
+        to_cluster = [by_job[n] - ray_jobs[n] for n in names if n in by_job and n in ray_jobs]
+        return {
+            "jobs": jobs, "rate_per_s": rate, "create_seconds": round(create_seconds, 2),
+            "complete": {"rayjob": len(to_ray_job), "status": len(to_status), "raycluster": len(to_cluster)},
+            "kuberl_create_to_rayjob_s": {"p50": percentile(to_ray_job, 0.5), "p99": percentile(to_ray_job, 0.99)},
+            "kuberl_create_to_status_s": {"p50": percentile(to_status, 0.5), "p99": percentile(to_status, 0.99)},
+            "kuberay_rayjob_to_raycluster_s": {"p50": percentile(to_cluster, 0.5), "p99": percentile(to_cluster, 0.99)},
+            "operator_peak_rss_mib": round(peak, 1),
+            "operator_cpu_s": round(cpu, 1), "wall_s": round(wall, 1),
+            "load_average_1m": os.getloadavg()[0],
+            "mean_create_to_rayjob_s": statistics.fmean(to_ray_job) if to_ray_job else float("nan"),
+        }
+
+
+def table(result: dict) -> str:
+    rows = [("kuberl: create -> RayJob created", result["kuberl_create_to_rayjob_s"], result["complete"]["rayjob"]),
+            ("kuberl: create -> status set", result["kuberl_create_to_status_s"], result["complete"]["status"]),
+            ("KubeRay: RayJob -> RayCluster (reference)", result["kuberay_rayjob_to_raycluster_s"], result["complete"]["raycluster"])]
+    lines = [f"{result['jobs']} RLTrainingJobs created at {result['rate_per_s']}/s over {result['create_seconds']} s",
+             f"{'step':44s} {'p50 s':>8s} {'p99 s':>8s} {'seen':>6s}"]
+    lines += [f"{name:44s} {v['p50']:8.3f} {v['p99']:8.3f} {n:6d}" for name, v, n in rows]
+    lines.append(f"{'operator peak RSS (MiB)':44s} {result['operator_peak_rss_mib']:8.1f}")
+    lines.append(f"{'operator CPU s / wall s':44s} {result['operator_cpu_s']:8.1f} {result['wall_s']:8.1f}"
+                 f"   (machine load average {result['load_average_1m']:.1f})")
+    ratio = result["kuberl_create_to_rayjob_s"]["p99"] / result["kuberay_rayjob_to_raycluster_s"]["p99"]
+    result["headline_ratio"] = ratio
+    lines.append(f"headline: kuberl create->RayJob p99 / KubeRay RayJob->RayCluster p99 = {ratio:.2f}x "
+                 f"(goal: p99 <= 1 s, RSS <= 256 MiB)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--jobs", type=int, default=1000, help="RLTrainingJobs to create")
+    p.add_argument("--rate", type=float, default=20.0, help="creations per second")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every object after the last create")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    args = p.parse_args(argv)
+    if args.jobs < 1 or args.rate <= 0:
+        p.error("--jobs must be >= 1 and --rate > 0")
+    result = run(args.jobs, args.rate, args.timeout)
+    print(table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
