@@ -15,7 +15,9 @@ experts, bf16 on Hopper, any dtype on CPU). Every tensor it saves has a shape in
 routing (``tokens x top_k`` rows), it never synchronises with the host, and every expert weight
 receives a gradient (zeros for an expert without tokens). ``implementation="loop"`` runs a
 Python loop over *all* experts (zero-row matmuls for empty ones), for platforms without
-``_grouped_mm``.
+``_grouped_mm``: it issues the same collectives on every rank and gives every expert a gradient,
+but its per-expert row counts follow the routing, so a recompute that routes differently still
+fails it (tests/train/test_moe_failure.py shows the grouped path surviving that).
 
 The swap replaces the ``experts`` submodule of our own model instance; no library module is patched.
 """

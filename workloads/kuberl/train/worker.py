@@ -323,10 +323,14 @@ class TrainerWorker:
 
     def load_state(self, path: str) -> None:
         extra_path = self._extra_path(path)
-        if not extra_path.exists():
+        # Decided together: a rank raising alone would leave the others waiting in dcp.load.
+        missing = torch.tensor([0.0 if extra_path.exists() else 1.0], device=self.device)
+        dist.all_reduce(missing)
+        if missing.item():
             found = sorted(p.name for p in Path(path).glob("trainer_rank*.pt"))
-            raise FileNotFoundError(f"{path}: no {extra_path.name}; the checkpoint was written by a different "
-                                    f"number of trainer ranks ({found[:4]}); resume with the same world size")
+            raise FileNotFoundError(f"{path}: {int(missing.item())} of {self.world_size} ranks find no "
+                                    f"trainer_rank<r>_of{self.world_size}.pt; the checkpoint is incomplete or was written by a "
+                                    f"different number of trainer ranks ({found[:4]}); resume with the same world size")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
