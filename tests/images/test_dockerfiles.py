@@ -59,10 +59,10 @@ def test_final_stage_runs_as_numeric_non_root_user_with_a_command(dockerfile):
     from kuberl.render import RUN_AS_USER
     assert int(user) == RUN_AS_USER
     assert final.all("ENTRYPOINT") or final.all("CMD"), f"{dockerfile}: no ENTRYPOINT or CMD"
-    last = final.instructions[-1]
-    assert final.instructions.index(users[-1]) > max(final.instructions.index(r) for r in final.all("RUN")), \
-        f"{dockerfile}: a RUN after the last USER would run as that user; keep USER after all RUNs"
-    assert last.keyword in {"ENTRYPOINT", "CMD"}
+    # Every RUN (installs, the baked model) happens as root before the switch, so nothing the
+    # image installs is writable by the runtime user.
+    last_run = max(final.instructions.index(r) for r in final.all("RUN"))
+    assert final.instructions.index(users[-1]) > last_run, f"{dockerfile}: RUN after the last USER"
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=NAMES)

@@ -61,8 +61,6 @@ def test_every_dashboard_expression_returns_data_from_real_prometheus(k8s_cluste
         ]).start()
         wait_for("Prometheus to scrape all three targets",
                  lambda: (up := prometheus.targets_up()) and len(up) == 3 and set(up.values()) == {"up"}, k8s_cluster)
-        # Enough samples for rate() over RATE_INTERVAL and a checkpoint (every 10 steps of 0.2 s).
-        time.sleep(8)
 
         variables = {"operator_job": OPERATOR_SCRAPE_JOB, "__rate_interval": RATE_INTERVAL}
         for path in DASHBOARDS:
@@ -75,13 +73,21 @@ def test_every_dashboard_expression_returns_data_from_real_prometheus(k8s_cluste
                 assert expected in offered, f"{path.name} variable ${name} offers {offered}"
         variables.update(namespace=release.watched, job=JOB)
 
-        empty = []
-        for query in QUERIES:
-            expr = substitute(query.expr, variables)
-            result = prometheus.query(expr)
-            assert result["status"] == "success", f"{query.dashboard} / {query.panel}: {expr}\n{result}"
-            if not finite_values(result):
-                empty.append(f"{query.dashboard} / {query.panel}: {expr} -> {result['data']['result']}")
+        def without_data() -> list[str]:
+            empty = []
+            for query in QUERIES:
+                expr = substitute(query.expr, variables)
+                result = prometheus.query(expr)
+                assert result["status"] == "success", f"{query.dashboard} / {query.panel}: {expr}\n{result}"
+                if not finite_values(result):
+                    empty.append(f"{query.dashboard} / {query.panel}: {expr} -> {result['data']['result']}")
+            return empty
+
+        # rate() needs two samples inside RATE_INTERVAL and the checkpoint panels a first checkpoint
+        # (every 10 steps of 0.2 s): poll until every panel has data rather than sleep a guess.
+        deadline = time.monotonic() + 90
+        while (empty := without_data()) and time.monotonic() < deadline:
+            time.sleep(1)
         assert not empty, "dashboard queries without finite data:\n" + "\n".join(empty)
 
         # Spot-check that the data is the real operator's and worker's, not just present.
