@@ -127,3 +127,41 @@ def test_images_are_the_ones_the_example_and_chart_name():
 ])
 def test_pinned_rule(image, pinned):
     assert is_pinned(image) is pinned
+
+
+def test_build_stage_copies_are_enough_to_build_the_wheel_with_the_extras(tmp_path):
+    """The build stage (the same for every image) run here without Docker: only what it COPYs, then
+    `pip wheel --no-deps .`; the wheel must carry both packages, the console scripts and every extra
+    the images install."""
+    import email
+    import zipfile
+
+    def build_stage(dockerfile: Path):
+        stage, = [s for s in stages(dockerfile) if s.alias == "build"]
+        return stage
+
+    build = build_stage(IMAGES / "operator" / "Dockerfile")
+    steps = lambda stage: [(i.keyword, i.args) for i in stage.instructions]
+    for dockerfile in DOCKERFILES:
+        assert steps(build_stage(dockerfile)) == steps(build), f"{dockerfile}: build stage differs from the operator's"
+    context = tmp_path / "src"
+    context.mkdir()
+    for instruction in build.all("COPY"):
+        sources, target = copy_sources(instruction), instruction.args.split()[-1]
+        for source in sources:
+            dest = context / (target if len(sources) == 1 and not target.endswith("/") else Path(target) / Path(source).name)
+            if (REPO_ROOT / source).is_dir():
+                shutil.copytree(REPO_ROOT / source, dest, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+            else:
+                shutil.copy2(REPO_ROOT / source, dest)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--wheel-dir",
+                    str(tmp_path / "wheels"), "."], cwd=context, check=True, capture_output=True, timeout=300)
+    wheel, = (tmp_path / "wheels").glob("kuberl-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        metadata = email.message_from_bytes(archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))))
+        entry_points = archive.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+    assert "kuberl/metrics.py" in names and "kuberl_operator/__main__.py" in names and "kuberl/tiny.py" in names
+    assert "kuberl-operator = kuberl_operator.__main__:main" in entry_points
+    assert "kuberl = kuberl.cli:main" in entry_points
+    assert {"operator", "storage", "train", "cpu"} <= set(metadata.get_all("Provides-Extra"))
