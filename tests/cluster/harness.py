@@ -303,7 +303,6 @@ class Cluster:
                 "--profiling=false",
             ],
         )
-        self._apiserver = apiserver
         _wait("kube-apiserver /readyz", lambda: self._api_ok("/readyz"), 90, [apiserver], interval=0.2)
 
     def _create_kuberay_crds(self) -> None:
@@ -324,7 +323,7 @@ class Cluster:
 
     def _start_controller_manager(self) -> None:
         kcm = self.kubeconfigs["controller-manager"]
-        self._controller_manager = self._spawn(
+        self._spawn(
             "kube-controller-manager",
             [
                 str(binary_path("kube-controller-manager")),
@@ -350,7 +349,7 @@ class Cluster:
 
     def _start_scheduler_and_kwok(self) -> None:
         sched = self.kubeconfigs["scheduler"]
-        self._scheduler = self._spawn(
+        self._spawn(
             "kube-scheduler",
             [
                 str(binary_path("kube-scheduler")),
@@ -363,7 +362,7 @@ class Cluster:
                 "--leader-elect=false",
             ],
         )
-        self._kwok = self._spawn(
+        self._spawn(
             "kwok",
             [
                 str(binary_path("kwok")),
@@ -385,7 +384,7 @@ class Cluster:
 
     def _start_kuberay(self) -> None:
         env = dict(os.environ, KUBECONFIG=str(self.kubeconfigs["kuberay-operator"]))
-        self._kuberay = self._spawn(
+        self._spawn(
             "kuberay-operator",
             [
                 str(binary_path("kuberay-operator")),
