@@ -16,15 +16,37 @@ from kuberl.api.types import RLTrainingJobSpec
 from kuberl.samples import Sample, TrainBatch
 from kuberl.tiny import make_model
 from kuberl.train.group import TrainerGroup
+from tests.storage.conftest import S3_ENV, start_moto
 
 STEP_TIMEOUT_S = 120  # a hang fails the test instead of blocking CI
 
 
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """moto's S3 server on loopback: the trainer ranks stage the model from it themselves."""
+    proc, endpoint = start_moto()
+    yield endpoint
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False)
+def ray_cluster(s3_endpoint):
+    ray.init(num_cpus=4, include_dashboard=False,
+             runtime_env={"env_vars": {**S3_ENV, "AWS_ENDPOINT_URL_S3": s3_endpoint}})
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def moe_s3_uri(moe_path, s3_endpoint):
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, key=S3_ENV["AWS_ACCESS_KEY_ID"],
+                           secret=S3_ENV["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True)
+    fs.mkdir("models")
+    fs.put(str(moe_path) + "/", "models/qwen3-moe-tiny/", recursive=True)
+    return "s3://models/qwen3-moe-tiny"
 
 
 def _spec(model_path, **algorithm) -> RLTrainingJobSpec:
@@ -142,8 +164,9 @@ def test_moe_ranks_route_differently_and_train_without_hang(moe_path):
         group.shutdown()
 
 
-def test_save_load_resumes_bit_exactly_and_exports_hf(moe_path, tmp_path):
-    group = TrainerGroup(_spec(moe_path, klCoef=0.0), str(moe_path))
+def test_save_load_resumes_bit_exactly_and_exports_hf(moe_s3_uri, tmp_path):
+    # Model from S3: every rank stages it through kuberl.storage.resolve on its own.
+    group = TrainerGroup(_spec(moe_s3_uri, klCoef=0.0), moe_s3_uri)
     try:
         batch = _batch(seed=5)
         group.train_step(batch)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from contextlib import ExitStack
 from typing import Any, Callable
 
 import ray
@@ -20,6 +21,7 @@ log = logging.getLogger("kuberl.train")
 
 # The custom Ray resource that `kuberl render` puts on the trainer worker group's pods.
 TRAINER_RESOURCE = "kuberl_trainer"
+CLOSE_TIMEOUT_S = 30
 
 
 class TrainerActor:
@@ -27,6 +29,9 @@ class TrainerActor:
 
     def __init__(self):
         self.worker = None
+        # Holds the staged model directory (s3/gs: a temporary copy on this node) open while the
+        # worker lives: export_hf reads the tokenizer from it.
+        self._model_dir = ExitStack()
 
     def rendezvous(self) -> tuple[str, int]:
         host = ray.util.get_node_ip_address()
@@ -34,11 +39,16 @@ class TrainerActor:
             s.bind(("", 0))
             return host, s.getsockname()[1]
 
-    def setup(self, model_path: str, config, *, rank: int, world_size: int, master_addr: str,
-              master_port: int, use_gpu: bool, local_rank: int, numa_policy: str) -> None:
+    def setup(self, model_path: str, config, *, revision: str | None, rank: int, world_size: int,
+              master_addr: str, master_port: int, use_gpu: bool, local_rank: int, numa_policy: str) -> None:
         import torch
 
+        from kuberl.storage import resolve
         from kuberl.train.worker import TrainerWorker
+
+        # Every node stages on its own (no shared filesystem); local paths pass through.
+        local_path = self._model_dir.enter_context(
+            resolve(model_path, revision=revision, trust_remote_code=config.model.trust_remote_code))
 
         if use_gpu:
             from kuberl.numa import pin_current_process
@@ -48,7 +58,7 @@ class TrainerActor:
             device = torch.device("cuda", 0)
         else:
             device = torch.device("cpu")
-        self.worker = TrainerWorker(model_path, config, rank=rank, world_size=world_size,
+        self.worker = TrainerWorker(local_path, config, rank=rank, world_size=world_size,
                                     master_addr=master_addr, master_port=master_port, device=device)
 
     def call(self, method: str, *args, **kwargs) -> Any:
@@ -57,8 +67,18 @@ class TrainerActor:
     def execute(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
         return fn(self.worker, *args, **kwargs)
 
+    def close(self) -> None:
+        try:
+            if self.worker is not None:
+                self.worker.shutdown()
+        finally:
+            self._model_dir.close()
+
 
 class TrainerGroup:
+    """``model_path``: a local directory or any model URI ``kuberl.storage.resolve`` accepts
+    (s3://, gs://, hf://, pvc://): each rank resolves it on its own node."""
+
     def __init__(self, spec, model_path: str, *, world_size: int | None = None,
                  resources_per_worker: dict | None = None, num_cpus_per_worker: float = 1):
         from kuberl.train.worker import TrainerConfig
@@ -77,7 +97,7 @@ class TrainerGroup:
         log.info("trainer group: %d ranks, rendezvous %s:%d, %s", self.world_size, master_addr, master_port,
                  "NCCL on GPU" if use_gpu else "gloo on CPU")
         try:
-            ray.get([actor.setup.remote(model_path, config, rank=rank, world_size=self.world_size,
+            ray.get([actor.setup.remote(model_path, config, revision=spec.model.revision, rank=rank, world_size=self.world_size,
                                         master_addr=master_addr, master_port=master_port, use_gpu=use_gpu,
                                         local_rank=rank % per_replica, numa_policy=spec.numa.policy)
                      for rank, actor in enumerate(self.actors)])
@@ -110,6 +130,12 @@ class TrainerGroup:
         return ray.get([actor.execute.remote(fn, *args, **kwargs) for actor in self.actors])
 
     def shutdown(self) -> None:
+        """Leave the process group and remove staged model copies, then end the actors (killed
+        regardless after ``CLOSE_TIMEOUT_S``: a rank stuck in a collective must not block this)."""
+        try:
+            ray.get([actor.close.remote() for actor in self.actors], timeout=CLOSE_TIMEOUT_S)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            log.warning("trainer group: closing ranks failed (%s); killing them", exc)
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
