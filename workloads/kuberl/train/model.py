@@ -4,7 +4,6 @@ the root, optional non-reentrant activation checkpointing and the every-expert M
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -15,8 +14,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kuberl.train.moe import use_grouped_experts
-
-log = logging.getLogger("kuberl.train")
 
 BROADCAST_BUCKET_BYTES = 256 << 20
 

@@ -7,11 +7,10 @@ runs the same class under torchrun on machines without Ray.
 from __future__ import annotations
 
 import logging
-import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -363,9 +362,6 @@ class TrainerWorker:
         if self.model_path is not None and any((Path(self.model_path) / name).exists() for name in tokenizer_files):
             AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=self.config.model.trust_remote_code
                                           ).save_pretrained(path)
-
-    def execute(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
-        return fn(self, *args, **kwargs)
 
     def shutdown(self) -> None:
         if dist.is_initialized():
