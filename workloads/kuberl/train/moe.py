@@ -50,6 +50,9 @@ class GroupedExperts(nn.Module):
         # weight (E, out, in) -> (E, in, out) as a transposed view: no copy.
         w = weight.to(x.dtype).transpose(1, 2)
         if self.implementation == "grouped":
+            if x.is_cuda and x.dtype != torch.bfloat16:
+                raise ValueError(f"grouped experts on GPU compute in bfloat16 (torch._grouped_mm), got {x.dtype}: "
+                                 f"set spec.trainer.paramDtype: bfloat16, or spec.trainer.moe.expertImplementation: loop")
             return torch._grouped_mm(x, w, offs=offsets)
         parts = x.split(counts.tolist())
         return torch.cat([parts[e] @ w[e] for e in range(self.num_experts)])
