@@ -7,7 +7,9 @@ The last line is the headline ratio. ``--json`` prints the results as JSON inste
 
 Servers (started here, on loopback): ``moto`` (Python, the server the tests use; it reads the whole
 object for every ranged GET, so it penalises parallel ranges) or ``gofakes3`` (Go, in-memory;
-``--gofakes3-bin``, build with ``go install github.com/johannesboyne/gofakes3/cmd/gofakes3@v1.2.0``).
+``--gofakes3-bin``, default ``~/.cache/kuberl/bin/gofakes3-v1.2.0``; build it with
+``GOBIN=/tmp/g go install github.com/johannesboyne/gofakes3/cmd/gofakes3@v1.2.0`` and move it
+there).
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ def start_server(kind: str, gofakes3_bin: str | None) -> tuple[subprocess.Popen,
     if kind == "moto":
         cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
     else:
-        if not gofakes3_bin:
-            raise SystemExit("--server gofakes3 needs --gofakes3-bin PATH")
+        if not gofakes3_bin or not Path(gofakes3_bin).exists():
+            raise SystemExit(f"gofakes3 binary {gofakes3_bin!r} not found; see --help")
         cmd = [gofakes3_bin, "-backend", "memory", "-host", f"127.0.0.1:{port}", "-quiet"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
@@ -91,7 +93,8 @@ def timed(fn, dst_root: Path, repeat: int) -> tuple[float, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server", choices=("moto", "gofakes3"), default="moto")
-    parser.add_argument("--gofakes3-bin")
+    parser.add_argument("--gofakes3-bin",
+                        default=str(Path.home() / ".cache/kuberl/bin/gofakes3-v1.2.0"))
     parser.add_argument("--big-mib", type=int, default=1024)
     parser.add_argument("--small-count", type=int, default=1000)
     parser.add_argument("--small-kib", type=int, default=64)
