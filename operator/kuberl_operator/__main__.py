@@ -65,7 +65,7 @@ async def run(args: argparse.Namespace) -> None:
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(args.workers, thread_name_prefix="reconcile"))
     registry = kopf.OperatorRegistry()
     register(registry)
-    controller = Controller(Kube(load_client(args.kubeconfig)), settings, Metrics(lambda: controller.job_phases()))
+    controller = Controller(Kube(load_client(args.kubeconfig, pool_size=args.workers)), settings, Metrics(lambda: controller.job_phases()))
     if args.metrics_port:
         start_http_server(args.metrics_port, args.metrics_address, registry=controller.metrics.registry)
 

@@ -36,17 +36,17 @@ JOB_LABEL = "kuberl.dev/job"
 Key = tuple[str, str]
 
 
-def _plain(body: Any) -> dict[str, Any]:
-    """A detached copy of a kopf body (kopf's bodies are live views)."""
-    return {k: _deep(v) for k, v in body.items()}
-
-
-def _deep(value: Any) -> Any:
-    if isinstance(value, dict) or hasattr(value, "items"):
-        return {k: _deep(v) for k, v in value.items()}
+def _plain(value: Any) -> Any:
+    """A detached plain copy of a kopf body (kopf's bodies are live mapping views)."""
+    if hasattr(value, "items"):
+        return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_deep(v) for v in value]
+        return [_plain(v) for v in value]
     return value
+
+
+def _slim_meta(meta: Any) -> dict[str, Any]:
+    return {k: _plain(meta[k]) for k in ("name", "labels", "annotations", "ownerReferences", "uid") if k in meta}
 
 
 def _newer(cached: dict[str, Any], written: dict[str, Any] | None) -> dict[str, Any]:
@@ -119,7 +119,7 @@ class Controller:
             self._waiting.discard(key)
             body = self._one("jobs_by_key", key)
             if body is None:
-                self._forget(key)
+                self.forget(key)
                 return
             body = _newer(body, self._written.get(key))
             requeue = await asyncio.to_thread(self.reconcile, body)
@@ -136,7 +136,7 @@ class Controller:
             handle.cancel()
         self._timers[key] = loop.call_at(due, lambda: asyncio.ensure_future(self.trigger(key)))
 
-    def _forget(self, key: Key) -> None:
+    def forget(self, key: Key) -> None:
         handle = self._timers.pop(key, None)
         if handle is not None:
             handle.cancel()
@@ -237,25 +237,31 @@ def register(registry: kopf.OperatorRegistry) -> None:
         # ServiceAccount token, elsewhere $KUBECONFIG.
         return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
+    # Index values keep only what the reconcile reads (not a RayJob's or pod's whole spec):
+    # memory stays proportional to jobs, not to the size of their clusters.
     @kopf.index(t.GROUP, t.VERSION, t.PLURAL, id="jobs_by_key", registry=registry)
     def jobs_by_key(namespace, name, body, **_):
-        return {(namespace, name): _plain(body)}
+        job = _plain(body)
+        job["metadata"].pop("managedFields", None)
+        return {(namespace, name): job}
 
     @kopf.index("ray.io", "v1", "rayjobs", id="ray_jobs_by_job", **owned)
-    def ray_jobs_by_job(namespace, labels, body, **_):
-        return {(namespace, labels[JOB_LABEL]): _plain(body)}
+    def ray_jobs_by_job(namespace, labels, meta, spec, status, **_):
+        return {(namespace, labels[JOB_LABEL]): {"metadata": _slim_meta(meta), "spec": {"suspend": spec.get("suspend", False)},
+                                                 "status": _plain(status)}}
 
     @kopf.index("ray.io", "v1", "rayclusters", id="ray_clusters_by_job", **owned)
-    def ray_clusters_by_job(namespace, labels, body, **_):
-        return {(namespace, labels[JOB_LABEL]): _plain(body)}
+    def ray_clusters_by_job(namespace, labels, meta, status, **_):
+        return {(namespace, labels[JOB_LABEL]): {"metadata": _slim_meta(meta), "status": {"state": status.get("state")}}}
 
     @kopf.index("v1", "configmaps", id="config_maps_by_job", **owned)
-    def config_maps_by_job(namespace, labels, body, **_):
-        return {(namespace, labels[JOB_LABEL]): _plain(body)}
+    def config_maps_by_job(namespace, labels, meta, body, **_):
+        return {(namespace, labels[JOB_LABEL]): {"metadata": _slim_meta(meta), "data": _plain(body.get("data", {}))}}
 
     @kopf.index("v1", "pods", id="pods_by_job", **owned)
-    def pods_by_job(namespace, labels, body, **_):
-        return {(namespace, labels[JOB_LABEL]): _plain(body)}
+    def pods_by_job(namespace, labels, meta, status, **_):
+        kept = {k: _plain(status[k]) for k in ("phase", "conditions", "initContainerStatuses") if k in status}
+        return {(namespace, labels[JOB_LABEL]): {"metadata": _slim_meta(meta), "status": kept}}
 
     def _capture(memo, kwargs) -> Controller:
         controller: Controller = memo.controller
@@ -270,7 +276,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
     async def job_changed(namespace, name, type, memo, **kwargs):
         controller = _capture(memo, kwargs)
         if type == "DELETED":
-            controller._forget((namespace, name))
+            controller.forget((namespace, name))
             return
         await controller.trigger((namespace, name))
 

@@ -31,15 +31,19 @@ APPLY = "application/apply-patch+yaml"
 MERGE = "application/merge-patch+json"
 
 
-def load_client(kubeconfig: str | None = None) -> kubernetes.client.ApiClient:
-    """The given kubeconfig, else in-cluster credentials, else ``$KUBECONFIG``."""
+def load_client(kubeconfig: str | None = None, pool_size: int = 16) -> kubernetes.client.ApiClient:
+    """The given kubeconfig, else in-cluster credentials, else ``$KUBECONFIG``; ``pool_size``
+    connections, one per reconcile thread (the default, 5 x CPUs, makes threads drop and redial)."""
+    config = kubernetes.client.Configuration()
     if kubeconfig:
-        return kubernetes.config.new_client_from_config(config_file=kubeconfig)
-    try:
-        kubernetes.config.load_incluster_config()
-        return kubernetes.client.ApiClient()
-    except kubernetes.config.ConfigException:
-        return kubernetes.config.new_client_from_config()
+        kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=config)
+    else:
+        try:
+            kubernetes.config.load_incluster_config(client_configuration=config)
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config(client_configuration=config)
+    config.connection_pool_maxsize = pool_size
+    return kubernetes.client.ApiClient(config)
 
 
 def _path(kind: str, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
