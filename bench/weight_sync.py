@@ -3,7 +3,7 @@
 Two processes, one GPU each. The sender plays trainer rank 0 and runs kuberl's real sending code
 (``kuberl.sync.trainer_side.broadcast_weights``: per-bucket gather, cast, pack, broadcast over a
 ``SyncGroup``). The receiver runs kuberl's real receiving code (``WeightReceiver.kuberl_receive``:
-receive each bucket, cut it into views, ``load_weights``) inside a stand-in for a vLLM worker,
+receive each bucket, cut it into views, ``reload_weights``) inside a stand-in for a vLLM worker,
 whose model copies each tensor into a parameter of the same name and shape: vLLM and Ray are not
 installed on the GPU machine, so the engine's own ``load_weights`` (fusing q/k/v etc.) is not
 measured. The reference, in the same run and processes, broadcasts the same number of bytes as
@@ -86,11 +86,13 @@ class TrainerStandIn:
 
 
 class RunnerStandIn:
+    """vLLM's model runner stand-in: ``reload_weights`` consumes the stream into the model."""
+
     def __init__(self, model):
         self.model = model
 
-    def get_model(self):
-        return self.model
+    def reload_weights(self, weights_iterator, is_checkpoint_format=True):
+        self.model.load_weights(weights_iterator)
 
 
 def worker(rank: int, args, results) -> None:

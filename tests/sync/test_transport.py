@@ -63,6 +63,14 @@ def test_pack_unpack_round_trip_mixed_dtypes():
         pack(bucket, [tensors[0], tensors[0], tensors[2]], buf)
 
 
+def test_wire_format_survives_vllms_rpc_serializer():
+    from kuberl.sync.buckets import from_wire, to_wire
+
+    metas = [ParamMeta("a", (3, 2), "bfloat16")]
+    assert from_wire(to_wire(metas)) == metas
+    assert from_wire([{"name": "a", "shape": [3, 2], "dtype": "bfloat16"}]) == metas  # msgspec's dataclass form
+
+
 def test_wrapper_segments_are_stripped_from_names():
     assert hf_name("model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
     assert hf_name("_orig_mod.model.norm.weight") == "model.norm.weight"
@@ -74,8 +82,13 @@ class Worker:
 
 
 class Runner:
+    """Stand-in for vLLM's model runner: ``reload_weights`` consumes the stream into the model."""
+
     def __init__(self, model):
         self.model = model
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format=True):
+        self.model.load_weights(weights_iterator)
 
 
 @pytest.mark.parametrize("bucket_bytes", [256, 1 << 20])

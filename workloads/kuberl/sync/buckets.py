@@ -32,6 +32,24 @@ class ParamMeta:
         return numel * self.torch_dtype.itemsize
 
 
+def to_wire(metas: list[ParamMeta]) -> list[list]:
+    """Plain lists: vLLM's RPC serializer turns dataclasses into dicts on the way to its workers."""
+    return [[m.name, list(m.shape), m.dtype] for m in metas]
+
+
+def from_wire(items: list) -> list[ParamMeta]:
+    out = []
+    for item in items:
+        if isinstance(item, ParamMeta):
+            out.append(item)
+        elif isinstance(item, dict):
+            out.append(ParamMeta(item["name"], tuple(item["shape"]), item["dtype"]))
+        else:
+            name, shape, dtype = item
+            out.append(ParamMeta(name, tuple(shape), dtype))
+    return out
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

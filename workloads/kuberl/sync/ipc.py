@@ -7,25 +7,28 @@ each process numbers the GPUs it sees from 0 (CUDA_VISIBLE_DEVICES differs betwe
 
 from __future__ import annotations
 
+import pickle
+
 import torch
 
 # Position of the device index in the argument tuple of torch's CUDA tensor rebuild function.
 _DEVICE_ARG = 6
 
 
-def share(buf: torch.Tensor) -> tuple:
-    """A picklable handle to the CUDA tensor ``buf`` (which the caller keeps alive)."""
+def share(buf: torch.Tensor) -> bytes:
+    """A handle to the CUDA tensor ``buf`` (which the caller keeps alive), pickled to bytes:
+    vLLM's RPC serializer passes bytes through but not the rebuild function inside the handle."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     if buf.device.type != "cuda":
         raise ValueError("weightSync.method ipc shares CUDA memory; the trainer's tensors are on "
                          f"{buf.device} (use nccl or checkpoint without GPUs)")
-    rebuild, args = reduce_tensor(buf)
-    return rebuild, args
+    return pickle.dumps(reduce_tensor(buf))
 
 
-def open_handle(handle: tuple, device: torch.device) -> torch.Tensor:
-    rebuild, args = handle
+def open_handle(handle: bytes, device: torch.device) -> torch.Tensor:
+    # Only ever a handle made by ``share`` in this job's own trainer process.
+    rebuild, args = pickle.loads(handle)
     args = list(args)
     args[_DEVICE_ARG] = device.index if device.index is not None else torch.cuda.current_device()
     return rebuild(*args)

@@ -6,6 +6,7 @@ benchmark machine).
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import tempfile
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from kuberl.sync import trainer_side
 from kuberl.sync.base import SyncStats, WeightSync
-from kuberl.sync.buckets import plan_buckets
+from kuberl.sync.buckets import plan_buckets, to_wire
 
 
 class _EngineInfo:
@@ -63,10 +64,16 @@ class NcclWeightSync(WeightSync):
         import ray
 
         start = time.perf_counter()
-        receives = [engine.update_weights.remote("kuberl_receive", (self.metas, self.bucket_bytes), version)
+        receives = [engine.update_weights.remote("kuberl_receive", (to_wire(self.metas), self.bucket_bytes),
+                                                 version)
                     for engine in self.engine_pool.engines]
-        self.trainer_group.execute(trainer_side.broadcast_weights, self.key, self.metas, self.bucket_bytes)
-        received = ray.get(receives)
+        # The trainers send from a thread so that an engine failing to receive surfaces here at
+        # once (the senders then stop at the group's timeout) instead of blocking the driver.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            sending = pool.submit(self.trainer_group.execute, trainer_side.broadcast_weights, self.key,
+                                  self.metas, self.bucket_bytes)
+            received = ray.get(receives)
+            sending.result()
         return SyncStats(version, min(min(r) for r in received), time.perf_counter() - start)
 
     def close(self) -> None:
@@ -139,22 +146,17 @@ class IpcWeightSync(WeightSync):
 
         engines = self.engine_pool.engines
         start = time.perf_counter()
-        ray.get([engine.pause.remote() for engine in engines])
-        loaded = [0] * len(engines)
         try:
-            for index, bucket in enumerate(plan_buckets(self.metas, self.bucket_bytes)):
-                handles = dict(self.trainer_group.execute(trainer_side.share_bucket, self.key, bucket))
-                results = ray.get([engine.rpc.remote("kuberl_load_ipc", handles, self.metas,
-                                                     self.bucket_bytes, index) for engine in engines])
-                loaded = [total + min(r) for total, r in zip(loaded, results)]
-        except BaseException:
-            # Resume at the old version: samples must not claim weights that never fully arrived.
-            ray.get([engine.resume.remote(ray.get(engine.weight_version.remote())) for engine in engines])
-            raise
+            # Every bucket stays shared until the engines have loaded them all: the trainer GPUs
+            # briefly hold one extra copy of the weights (in the engine's dtype).
+            handles = [dict(self.trainer_group.execute(trainer_side.share_bucket, f"{self.key}-{i}", bucket))
+                       for i, bucket in enumerate(plan_buckets(self.metas, self.bucket_bytes))]
+            loaded = ray.get([engine.update_weights.remote(
+                "kuberl_load_ipc", (handles, to_wire(self.metas), self.bucket_bytes), version)
+                for engine in engines])
         finally:
-            self.trainer_group.execute(trainer_side.release_shared, self.key)
-        ray.get([engine.resume.remote(version) for engine in engines])
-        return SyncStats(version, min(loaded), time.perf_counter() - start)
+            self.trainer_group.execute(trainer_side.release_shared, f"{self.key}-")
+        return SyncStats(version, min(min(r) for r in loaded), time.perf_counter() - start)
 
 
 METHODS = {"nccl": NcclWeightSync, "checkpoint": CheckpointWeightSync, "ipc": IpcWeightSync}

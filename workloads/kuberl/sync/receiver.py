@@ -1,34 +1,52 @@
 """The receiving side of weight sync, inside each vLLM worker process.
 
 vLLM mixes this class into its workers (``worker_extension_cls``); the engine actor reaches the
-methods through ``collective_rpc``. Every method loads through the model's own ``load_weights``,
-which maps Hugging Face names onto vLLM's fused and tensor-parallel-sharded parameters.
+methods through ``collective_rpc``. Every method streams (name, tensor) pairs into vLLM's in-place
+``reload_weights``, which maps Hugging Face names onto vLLM's fused and tensor-parallel-sharded
+parameters and redoes the post-load processing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterator
 
 import torch
 
-from kuberl.sync.buckets import ParamMeta, plan_buckets, unpack
+from kuberl.sync.buckets import from_wire, plan_buckets, unpack
 from kuberl.sync.group import SyncGroup
 
 
 class WeightReceiver:
     """Methods added to vLLM's worker class; ``self`` is the worker."""
 
-    def _kuberl_model(self) -> torch.nn.Module:
-        runner = self.model_runner
-        return runner.get_model() if hasattr(runner, "get_model") else runner.model
-
     def _kuberl_device(self) -> torch.device:
         return self.device if isinstance(getattr(self, "device", None), torch.device) else torch.device("cpu")
 
-    def _kuberl_load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        weights = list(weights)
-        self._kuberl_model().load_weights(weights=weights)
-        return sum(t.numel() * t.element_size() for _, t in weights)
+    def _kuberl_load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> int:
+        """Load a stream of (HF name, tensor) pairs through vLLM's in-place reload.
+
+        ``reload_weights`` restores each layer's checkpoint-format parameters, feeds them to the
+        model's ``load_weights`` and re-runs ``process_weights_after_loading`` once a layer is
+        complete: plain ``load_weights`` on a live model fails wherever loading repacked the
+        weights (vLLM's CPU kernels do). One call for the whole model, so a layer whose tensors
+        arrive in different buckets is processed once, complete.
+        """
+        counted = _Counted(weights)
+        self.model_runner.reload_weights(weights_iterator=iter(counted), is_checkpoint_format=True)
+        self._kuberl_refresh_cpu_kernels()
+        return counted.nbytes
+
+    def _kuberl_refresh_cpu_kernels(self) -> None:
+        """vLLM on CPU runs linear layers through kernels prepacked from the weights. A layer that
+        keeps its weight (the LM head tied to the embeddings) loads nothing itself during the
+        reload, so its prepacked copy would stay stale: rebuild it from the reloaded weight."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        for module in self.model_runner.get_model().modules():
+            if hasattr(module, "cpu_linear") and module.weight.numel() > 0:
+                module.quant_method.process_weights_after_loading(module)
 
     def kuberl_model_dtype(self) -> str:
         return str(self.model_config.dtype).removeprefix("torch.")
@@ -45,30 +63,10 @@ class WeightReceiver:
         self._kuberl_group = SyncGroup(host, port, rank, world_size, backend)
         return rank
 
-    def kuberl_receive(self, metas: list[ParamMeta], bucket_bytes: int) -> int:
-        """Receive bucket i while loading bucket i-1 (two alternating buffers)."""
+    def kuberl_receive(self, metas: list, bucket_bytes: int) -> int:
         group: SyncGroup = self._kuberl_group
         device = self._kuberl_device() if group.backend == "nccl" else torch.device("cpu")
-        buckets = plan_buckets(metas, bucket_bytes)
-        if not buckets:
-            return 0
-        slots = [torch.empty(max(b.nbytes for b in buckets), dtype=torch.uint8, device=device)
-                 for _ in range(min(2, len(buckets)))]
-        received = 0
-        previous = None  # (bucket, buffer, work) received but not yet loaded
-        for i, bucket in enumerate(buckets):
-            buf = slots[i % len(slots)][:bucket.nbytes]
-            # NCCL orders this receive after the earlier load from the same buffer (same stream
-            # dependency it takes on the current stream); gloo loads synchronously before it.
-            work = group.broadcast_async(buf, root=0)
-            if previous is not None:
-                received += self._kuberl_finish(*previous)
-            previous = (bucket, buf, work)
-        return received + self._kuberl_finish(*previous)
-
-    def _kuberl_finish(self, bucket, buf: torch.Tensor, work) -> int:
-        work.wait()
-        return self._kuberl_load(unpack(bucket, buf))
+        return self._kuberl_load(_received(group, plan_buckets(from_wire(metas), bucket_bytes), device))
 
     def kuberl_leave_group(self) -> None:
         group = getattr(self, "_kuberl_group", None)
@@ -78,23 +76,61 @@ class WeightReceiver:
 
     # --- checkpoint: safetensors files written by the trainer ---------------------------------
     def kuberl_load_files(self, paths: list[str]) -> int:
-        from safetensors import safe_open
-
-        loaded = 0
-        for path in paths:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                loaded += self._kuberl_load((name, f.get_tensor(name)) for name in f.keys())
-        return loaded
+        return self._kuberl_load(_from_files(paths))
 
     # --- ipc: CUDA IPC handles of buffers on this worker's own GPU ----------------------------
-    def kuberl_load_ipc(self, handles: dict[str, tuple], metas: list[ParamMeta],
-                        bucket_bytes: int, bucket_index: int) -> int:
-        from kuberl.sync.ipc import open_handle
-
+    def kuberl_load_ipc(self, handles: list[dict[str, bytes]], metas: list, bucket_bytes: int) -> int:
+        """``handles[i]`` maps GPU uuid -> handle of bucket i gathered on that GPU."""
         uuid = self.kuberl_device_uuid()
-        if uuid not in handles:
+        missing = [i for i, per_gpu in enumerate(handles) if uuid not in per_gpu]
+        if missing:
             raise RuntimeError(f"no trainer rank shares GPU {uuid} with this engine worker "
-                               f"(trainer GPUs: {sorted(handles)}); ipc needs rollout.colocate")
-        bucket = plan_buckets(metas, bucket_bytes)[bucket_index]
-        buf = open_handle(handles[uuid], self._kuberl_device())
-        return self._kuberl_load(unpack(bucket, buf))
+                               f"(trainer GPUs: {sorted(handles[missing[0]])}); ipc needs rollout.colocate")
+        buckets = plan_buckets(from_wire(metas), bucket_bytes)
+        return self._kuberl_load(_from_ipc(buckets, [h[uuid] for h in handles], self._kuberl_device()))
+
+
+class _Counted:
+    def __init__(self, weights):
+        self.weights, self.nbytes = weights, 0
+
+    def __iter__(self):
+        for name, tensor in self.weights:
+            self.nbytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+
+def _received(group: SyncGroup, buckets, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors of each bucket as it arrives; bucket i+1 is already in flight while the loader
+    consumes bucket i. A fresh buffer per bucket (cheap with the caching allocator): the loader
+    may hold views until a layer's last tensor arrives, so buffers are never reused under it."""
+    pending = None
+    for bucket in buckets:
+        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        work = group.broadcast_async(buf, root=0)
+        if pending is not None:
+            yield from _finish(*pending)
+        pending = (bucket, buf, work)
+    if pending is not None:
+        yield from _finish(*pending)
+
+
+def _finish(bucket, buf: torch.Tensor, work) -> list[tuple[str, torch.Tensor]]:
+    work.wait()
+    return unpack(bucket, buf)
+
+
+def _from_files(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in paths:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _from_ipc(buckets, handles: list[bytes], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    from kuberl.sync.ipc import open_handle
+
+    for bucket, handle in zip(buckets, handles):
+        yield from unpack(bucket, open_handle(handle, device))

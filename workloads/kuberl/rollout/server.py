@@ -1,0 +1,259 @@
+"""OpenAI- and Anthropic-compatible HTTP endpoint over the engine pool, for agent rollouts.
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions`` (OpenAI), ``POST /v1/messages``
+  (Anthropic: content blocks, system prompt, stop reasons, usage), ``GET /v1/models``;
+- sticky routing: requests of one session (header ``x-session-id``, else the OpenAI ``user`` or
+  Anthropic ``metadata.user_id`` field) go to the same engine, so its prefix cache holds the
+  conversation so far;
+- validation errors are 400s in the API's own error shape, naming the field.
+
+Responses also carry the token ids (``prompt_token_ids``, per-choice ``token_ids``) and the
+``weight_version`` that produced them, which the trainer needs and the text alone cannot give.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+import uuid
+from collections import OrderedDict
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from kuberl.rollout.protocol import ChatCompletionRequest, CompletionRequest, MessagesRequest
+
+SESSION_HEADER = "x-session-id"
+
+
+class StickyRouter:
+    """Session id -> engine index; new sessions and anonymous requests go round-robin."""
+
+    def __init__(self, num_engines: int, max_sessions: int = 100_000):
+        self.num_engines = num_engines
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, int] = OrderedDict()
+        self._next = itertools.count()
+        self._lock = threading.Lock()
+
+    def route(self, session: str | None) -> int:
+        with self._lock:
+            if session is None:
+                return next(self._next) % self.num_engines
+            if session in self._sessions:
+                self._sessions.move_to_end(session)
+                return self._sessions[session]
+            index = self._sessions[session] = next(self._next) % self.num_engines
+            if len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+            return index
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def _openai_error(err: APIError) -> dict:
+    return {"error": {"message": err.message, "type": err.kind, "param": err.param,
+                      "code": "model_not_found" if err.status == 404 else None}}
+
+
+def _anthropic_error(err: APIError) -> dict:
+    kind = {404: "not_found_error", 500: "api_error"}.get(err.status, err.kind)
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def _field(loc: tuple) -> str:
+    return ".".join(str(part) for part in loc if part != "body")
+
+
+def _parse(model_cls, body) -> object:
+    from pydantic import ValidationError
+
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = _field(first["loc"]) or "body"
+        message = first["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"{field}: {message}", param=field) from None
+
+
+def _finish_reason(sample) -> str:
+    return sample.finish_reason or "stop"
+
+
+def make_app(pool) -> FastAPI:
+    app = FastAPI(title="kuberl rollout endpoint")
+    router = StickyRouter(len(pool.engines))
+    rollout = pool.spec.rollout
+    max_model_len = rollout.max_prompt_length + rollout.max_response_length
+    served = pool.served_model_name
+
+    async def read_json(request: Request):
+        try:
+            body = await request.json()
+        except ValueError:
+            raise APIError(400, "body: request body is not valid JSON", param="body") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "body: expected a JSON object", param="body")
+        return body
+
+    def check_model(name: str) -> None:
+        if name != served:
+            raise APIError(404, f"model: {name!r} is not served here; use {served!r} (GET /v1/models)",
+                           param="model")
+
+    def check_length(prompt_ids: list[int], max_tokens: int, prompt_field: str, tokens_field: str) -> None:
+        if len(prompt_ids) > rollout.max_prompt_length:
+            raise APIError(400, f"{prompt_field}: {len(prompt_ids)} tokens exceed rollout.maxPromptLength "
+                                f"({rollout.max_prompt_length})", param=prompt_field)
+        if len(prompt_ids) + max_tokens > max_model_len:
+            raise APIError(400, f"{tokens_field}: {max_tokens} + {len(prompt_ids)} prompt tokens exceed the "
+                                f"context of {max_model_len} tokens", param=tokens_field)
+
+    def engine_for(request: Request, user: str | None):
+        return pool.engines[router.route(request.headers.get(SESSION_HEADER) or user)]
+
+    async def run(engine, prompt_ids, **params):
+        try:
+            return await engine.complete.remote(prompt_ids, **params)
+        except ValueError as err:  # the engine's own input checks
+            raise APIError(400, str(err).splitlines()[-1], param="prompt") from None
+
+    def openai_handler(fn):
+        async def handler(request: Request):
+            try:
+                return JSONResponse(await fn(request))
+            except APIError as err:
+                return JSONResponse(_openai_error(err), status_code=err.status)
+        return handler
+
+    def anthropic_handler(fn):
+        async def handler(request: Request):
+            try:
+                return JSONResponse(await fn(request))
+            except APIError as err:
+                return JSONResponse(_anthropic_error(err), status_code=err.status)
+        return handler
+
+    async def chat_completions(request: Request):
+        req: ChatCompletionRequest = _parse(ChatCompletionRequest, await read_json(request))
+        check_model(req.model)
+        engine = engine_for(request, req.user)
+        prompt_ids = await engine.chat_prompt.remote([{"role": m.role, "content": m.text()} for m in req.messages])
+        max_tokens = req.max_completion_tokens or req.max_tokens or min(
+            rollout.max_response_length, max(1, max_model_len - len(prompt_ids)))
+        check_length(prompt_ids, max_tokens, "messages", "max_tokens")
+        samples = await run(engine, prompt_ids, n=req.n, temperature=req.temperature, top_p=req.top_p,
+                            max_tokens=max_tokens, stop=req.stop, seed=req.seed, logprobs=req.logprobs)
+        choices = []
+        for i, s in enumerate(samples):
+            logprobs = None
+            if req.logprobs:
+                logprobs = {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                                         "top_logprobs": []}
+                                        for tok, lp in zip(s.metadata["tokens"], s.response_logprobs)]}
+            choices.append({"index": i, "message": {"role": "assistant", "content": s.response_text},
+                            "finish_reason": _finish_reason(s), "logprobs": logprobs,
+                            "token_ids": s.response_ids})
+        completion_tokens = sum(len(s.response_ids) for s in samples)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": served, "choices": choices, "prompt_token_ids": prompt_ids,
+                "weight_version": samples[0].weight_version,
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                          "total_tokens": len(prompt_ids) + completion_tokens}}
+
+    async def completions(request: Request):
+        req: CompletionRequest = _parse(CompletionRequest, await read_json(request))
+        check_model(req.model)
+        engine = engine_for(request, req.user)
+        prompt_ids = (list(req.prompt) if isinstance(req.prompt, list)
+                      else await engine.tokenize.remote(req.prompt))
+        check_length(prompt_ids, req.max_tokens, "prompt", "max_tokens")
+        samples = await run(engine, prompt_ids, n=req.n, temperature=req.temperature, top_p=req.top_p,
+                            max_tokens=req.max_tokens, stop=req.stop, seed=req.seed,
+                            logprobs=req.logprobs is not None)
+        choices = []
+        for i, s in enumerate(samples):
+            logprobs = None
+            if req.logprobs is not None:
+                tokens = s.metadata["tokens"]
+                offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
+                logprobs = {"tokens": tokens, "token_logprobs": s.response_logprobs, "top_logprobs": None,
+                            "text_offset": offsets}
+            choices.append({"index": i, "text": s.response_text, "finish_reason": _finish_reason(s),
+                            "logprobs": logprobs, "token_ids": s.response_ids})
+        completion_tokens = sum(len(s.response_ids) for s in samples)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": served, "choices": choices, "prompt_token_ids": prompt_ids,
+                "weight_version": samples[0].weight_version,
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                          "total_tokens": len(prompt_ids) + completion_tokens}}
+
+    async def messages(request: Request):
+        req: MessagesRequest = _parse(MessagesRequest, await read_json(request))
+        check_model(req.model)
+        engine = engine_for(request, req.metadata.user_id if req.metadata else None)
+        prompt_ids = await engine.chat_prompt.remote(req.chat_messages())
+        check_length(prompt_ids, req.max_tokens, "messages", "max_tokens")
+        (s,) = await run(engine, prompt_ids, n=1, temperature=req.temperature, top_p=req.top_p,
+                         max_tokens=req.max_tokens, stop=req.stop_sequences)
+        stop_sequence = s.metadata.get("stop_reason") if isinstance(s.metadata.get("stop_reason"), str) else None
+        if s.finish_reason == "length":
+            stop_reason = "max_tokens"
+        elif stop_sequence is not None:
+            stop_reason = "stop_sequence"
+        else:
+            stop_reason = "end_turn"
+        return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": served,
+                "content": [{"type": "text", "text": s.response_text}], "stop_reason": stop_reason,
+                "stop_sequence": stop_sequence,
+                "usage": {"input_tokens": len(prompt_ids), "output_tokens": len(s.response_ids)},
+                "prompt_token_ids": prompt_ids, "token_ids": s.response_ids,
+                "weight_version": s.weight_version}
+
+    async def models(request: Request):
+        return {"object": "list", "data": [{"id": served, "object": "model", "created": 0,
+                                            "owned_by": "kuberl", "max_model_len": max_model_len}]}
+
+    app.add_api_route("/v1/chat/completions", openai_handler(chat_completions), methods=["POST"])
+    app.add_api_route("/v1/completions", openai_handler(completions), methods=["POST"])
+    app.add_api_route("/v1/messages", anthropic_handler(messages), methods=["POST"])
+    app.add_api_route("/v1/models", openai_handler(models), methods=["GET"])
+    return app
+
+
+class BackgroundServer:
+    """uvicorn in a daemon thread, so the driver keeps its own control flow."""
+
+    def __init__(self, app, host: str, port: int):
+        import uvicorn
+
+        if port == 0:
+            with socket.socket() as probe:
+                probe.bind((host, 0))
+                port = probe.getsockname()[1]
+        self.host, self.port = host, port
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name="kuberl-rollout-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"rollout HTTP endpoint failed to start on {self.url}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
