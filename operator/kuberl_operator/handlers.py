@@ -130,7 +130,8 @@ class Controller:
         loop = asyncio.get_running_loop()
         due = loop.time() + delay
         handle = self._timers.get(key)
-        if handle is not None and not handle.cancelled() and handle.when() <= due:
+        pending = handle is not None and not handle.cancelled() and handle.when() > loop.time()
+        if pending and handle.when() <= due:
             return
         if handle is not None:
             handle.cancel()
@@ -188,8 +189,9 @@ class Controller:
         # Status first: a restart is recorded (restarts += 1) before its RayJob exists, so a crash in
         # between resumes the same attempt instead of starting another.
         if status_changed(body.get("status"), plan.status):
-            self._written[(ns, name)] = self.kube.merge_patch(t.KIND, ns, name, {"status": plan.status},
-                                                              subresource="status")
+            written = self.kube.merge_patch(t.KIND, ns, name, {"status": plan.status}, subresource="status")
+            written["metadata"].pop("managedFields", None)
+            self._written[(ns, name)] = written
         events = plan.events
         for obj in plan.apply:
             if obj["kind"] != "RayJob":
