@@ -94,6 +94,9 @@ class RunnerStandIn:
     def reload_weights(self, weights_iterator, is_checkpoint_format=True):
         self.model.load_weights(weights_iterator)
 
+    def get_model(self):
+        return self.model
+
 
 def worker(rank: int, args, results) -> None:
     import torch

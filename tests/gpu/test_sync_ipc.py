@@ -17,6 +17,9 @@ class _Runner:
     def reload_weights(self, weights_iterator, is_checkpoint_format=True):
         self.model.load_weights(weights_iterator)
 
+    def get_model(self):
+        return self.model
+
 
 def _receive(handles, metas, bucket_bytes, results):
     from kuberl.sync.receiver import WeightReceiver

@@ -90,6 +90,9 @@ class Runner:
     def reload_weights(self, weights_iterator, is_checkpoint_format=True):
         self.model.load_weights(weights_iterator)
 
+    def get_model(self):
+        return self.model
+
 
 @pytest.mark.parametrize("bucket_bytes", [256, 1 << 20])
 def test_broadcast_from_trainer_rank0_loads_every_tensor_under_its_own_name(bucket_bytes):

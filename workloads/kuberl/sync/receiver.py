@@ -39,11 +39,8 @@ class WeightReceiver:
     def _kuberl_refresh_cpu_kernels(self) -> None:
         """vLLM on CPU runs linear layers through kernels prepacked from the weights. A layer that
         keeps its weight (the LM head tied to the embeddings) loads nothing itself during the
-        reload, so its prepacked copy would stay stale: rebuild it from the reloaded weight."""
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
-            return
+        reload, so its prepacked copy would stay stale: rebuild it from the reloaded weight.
+        (Only vLLM's CPU layers have ``cpu_linear``; elsewhere this finds nothing to do.)"""
         for module in self.model_runner.get_model().modules():
             if hasattr(module, "cpu_linear") and module.weight.numel() > 0:
                 module.quant_method.process_weights_after_loading(module)
