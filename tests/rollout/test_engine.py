@@ -49,3 +49,10 @@ def test_sleep_is_a_reported_no_op_on_cpu(pool):
 
     assert ray.get(pool.engines[0].sleep.remote()) is False
     assert ray.get(pool.engines[0].wake_up.remote()) is False
+
+
+def test_missing_model_is_a_clear_error_before_vllm_starts(spec):
+    from kuberl.rollout.engine import RolloutEngine
+
+    with pytest.raises(FileNotFoundError, match="/nonexistent/model"):
+        RolloutEngine(spec, "/nonexistent/model", "served")
