@@ -86,7 +86,7 @@ BAD_MANIFESTS: list[BadManifest] = [
     BadManifest("tp_does_not_divide_rollout_gpus",
                 _set("spec.rollout", {"gpusPerReplica": 3, "tensorParallelSize": 2}),
                 "rollout.tensorParallelSize must divide rollout.gpusPerReplica"),
-    BadManifest("tp_does_not_divide_trainer_gpus_colocated",
+    BadManifest("tp_not_dividing_colocated_gpus",
                 _all(_set("spec.trainer", {"gpusPerReplica": 6}),
                      _set("spec.rollout", {"colocate": True, "tensorParallelSize": 4})),
                 "rollout.tensorParallelSize must divide trainer.gpusPerReplica"),

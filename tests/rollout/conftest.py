@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 vllm = pytest.importorskip("vllm")
@@ -27,14 +25,6 @@ def make_spec(model_uri: str, **weight_sync):
         "weightSync": {"method": "nccl", "bucketSizeMB": 1, **weight_sync},
         "numa": {"policy": "none"},
     })
-
-
-@pytest.fixture(scope="session")
-def ray_session():
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

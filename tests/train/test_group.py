@@ -16,26 +16,15 @@ from kuberl.api.types import RLTrainingJobSpec
 from kuberl.samples import Sample, TrainBatch
 from kuberl.tiny import make_model
 from kuberl.train.group import TrainerGroup
-from tests.storage.conftest import S3_ENV, start_moto
+from tests.storage.conftest import S3_ENV
 
 STEP_TIMEOUT_S = 120  # a hang fails the test instead of blocking CI
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    """moto's S3 server on loopback: the trainer ranks stage the model from it themselves."""
-    proc, endpoint = start_moto()
-    yield endpoint
-    proc.terminate()
-    proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster(s3_endpoint):
-    ray.init(num_cpus=4, include_dashboard=False,
-             runtime_env={"env_vars": {**S3_ENV, "AWS_ENDPOINT_URL_S3": s3_endpoint}})
-    yield
-    ray.shutdown()
+def s3_endpoint(ray_session):
+    """The session's moto S3 server: the trainer ranks stage the model from it themselves."""
+    return ray_session
 
 
 @pytest.fixture(scope="module")

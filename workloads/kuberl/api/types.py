@@ -33,7 +33,9 @@ INTEGER_CPU_PATTERN = r"^[0-9]+$"
 
 
 def rule(expr: str, message: str, field_path: str | None = None, reason: str | None = None) -> dict:
-    """One CEL validation rule as the CRD carries it."""
+    """One CEL validation rule as the CRD carries it. The API server evaluates every rule even when
+    a minimum already failed, so a rule guards its own divisors: a modulus by zero would surface as
+    an evaluation error instead of the field's message."""
     out: dict[str, Any] = {"rule": expr, "message": message}
     if field_path:
         out["fieldPath"] = field_path
@@ -104,7 +106,7 @@ class AlgorithmSpec(APIModel):
     model_config = ConfigDict(json_schema_extra=_rules(
         rule("self.clipRatioHigh >= self.clipRatioLow",
              "algorithm.clipRatioHigh must be >= algorithm.clipRatioLow", ".clipRatioHigh"),
-        rule("(self.promptsPerStep * self.groupSize) % self.microBatchSize == 0",
+        rule("self.microBatchSize < 1 || (self.promptsPerStep * self.groupSize) % self.microBatchSize == 0",
              "algorithm.microBatchSize must divide promptsPerStep * groupSize (samples per step)",
              ".microBatchSize"),
     ))
@@ -155,7 +157,8 @@ class HeadSpec(APIModel):
 
 class RolloutSpec(APIModel):
     model_config = ConfigDict(json_schema_extra=_rules(
-        rule("self.colocate || self.gpusPerReplica == 0 || self.gpusPerReplica % self.tensorParallelSize == 0",
+        rule("self.colocate || self.gpusPerReplica == 0 || self.tensorParallelSize < 1 || "
+             "self.gpusPerReplica % self.tensorParallelSize == 0",
              "rollout.tensorParallelSize must divide rollout.gpusPerReplica", ".tensorParallelSize"),
     ))
     engine: Literal["vllm"] = Field("vllm", description="Inference engine.")
@@ -230,7 +233,8 @@ class RLTrainingJobSpec(APIModel):
              ".weightSync.method"),
         rule("!self.rollout.colocate || self.trainer.gpusPerReplica > 0",
              "rollout.colocate needs trainer.gpusPerReplica > 0", ".rollout.colocate"),
-        rule("!self.rollout.colocate || self.trainer.gpusPerReplica % self.rollout.tensorParallelSize == 0",
+        rule("!self.rollout.colocate || self.rollout.tensorParallelSize < 1 || "
+             "self.trainer.gpusPerReplica % self.rollout.tensorParallelSize == 0",
              "rollout.tensorParallelSize must divide trainer.gpusPerReplica when colocated",
              ".rollout.tensorParallelSize"),
         rule("self.trainer.gpusPerReplica == 0 || self.numa.policy != 'gpu-local' || "
@@ -245,7 +249,8 @@ class RLTrainingJobSpec(APIModel):
              "self.checkpoint.resume != self.checkpoint.uri",
              "checkpoint.resume names the checkpoint root itself; use auto to resume from the newest "
              "checkpoint under checkpoint.uri", ".checkpoint.resume"),
-        rule("(self.algorithm.promptsPerStep * self.algorithm.groupSize) % "
+        rule("self.trainer.replicas < 1 || self.trainer.processesPerReplica < 1 || "
+             "(self.algorithm.promptsPerStep * self.algorithm.groupSize) % "
              "(self.trainer.replicas * (self.trainer.gpusPerReplica > 0 ? self.trainer.gpusPerReplica "
              ": self.trainer.processesPerReplica)) == 0",
              "algorithm.promptsPerStep * algorithm.groupSize must be divisible by the number of trainer "
