@@ -17,7 +17,7 @@ import time
 import pytest
 
 from kuberl.api.types import CheckpointSpec
-from kuberl.storage import latest_checkpoint
+from kuberl.storage import StorageError, commit_checkpoint, latest_checkpoint
 from kuberl.train.checkpoint import CheckpointManager
 
 
@@ -65,8 +65,17 @@ def test_resume_choices(s3, tmp_path):
     root = f"s3://{bucket}/run"
     assert CheckpointManager(CheckpointSpec(uri=root), tmp_path).source(None) is None  # nothing yet
     assert CheckpointManager(CheckpointSpec(uri=root, resume="never"), tmp_path).source(None) is None
-    explicit = f"s3://{bucket}/other/step-000000010"
+    other = f"s3://{bucket}/other"
+    with pytest.raises(StorageError, match="no complete checkpoint there"):
+        CheckpointManager(CheckpointSpec(uri=root), tmp_path).source(other)
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "driver.json").write_text("{}")
+    explicit = commit_checkpoint(tmp_path / "state", other, 10)
     assert CheckpointManager(CheckpointSpec(uri=root), tmp_path).source(explicit) == explicit
+    assert CheckpointManager(CheckpointSpec(uri=root), tmp_path).source(other) == explicit
+    fs.pipe_file(f"{bucket}/other/step-000000020/driver.json", b"{}")  # an upload that died
+    with pytest.raises(StorageError, match="no COMPLETE marker"):
+        CheckpointManager(CheckpointSpec(uri=root), tmp_path).source(f"{other}/step-000000020")
     assert CheckpointManager(CheckpointSpec(uri=root), tmp_path).source(root) is None  # the root means auto
     assert CheckpointManager(CheckpointSpec(), tmp_path).source(None) is None
 

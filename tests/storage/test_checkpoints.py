@@ -73,3 +73,23 @@ def test_bad_step_and_keep(tmp_path):
         commit_checkpoint(make_local(tmp_path, 1), str(tmp_path / "c"), -1)
     with pytest.raises(ValueError, match="keep"):
         prune_checkpoints(str(tmp_path / "c"), 0)
+
+
+def test_stage_checkpoint_takes_the_newest_complete_or_nothing(root, tmp_path, capsys):
+    """What the stage-checkpoint init container runs: ``kuberl stage --checkpoint ROOT DST``."""
+    from kuberl.stage import main as stage_main
+
+    uri, fs, path = root
+    assert stage_main(["--checkpoint", uri, str(tmp_path / "first-run")]) == 0
+    assert "no complete checkpoint yet" in capsys.readouterr().out
+    assert not (tmp_path / "first-run").exists()
+    commit_checkpoint(make_local(tmp_path, 10), uri, 10)
+    commit_checkpoint(make_local(tmp_path, 20), uri, 20)
+    fs.makedirs(f"{path}/step-000000030/model", exist_ok=True)
+    fs.pipe_file(f"{path}/step-000000030/model/weights.pt", b"half")  # an upload that died
+    assert stage_main(["--checkpoint", uri, str(tmp_path / "newest")]) == 0
+    assert json.loads((tmp_path / "newest" / "trainer_state.json").read_text()) == {"step": 20}
+    assert stage_main(["--checkpoint", f"{uri}/step-000000010", str(tmp_path / "named")]) == 0
+    assert json.loads((tmp_path / "named" / "trainer_state.json").read_text()) == {"step": 10}
+    assert stage_main(["--checkpoint", f"{uri}/step-000000030", str(tmp_path / "torn")]) == 1
+    assert "no COMPLETE marker" in capsys.readouterr().err

@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 
+from kuberl.storage.checkpoints import checkpoint_to_restore
 from kuberl.storage.errors import StorageError
 from kuberl.storage.staging import DEFAULT_PART_SIZE, DEFAULT_WORKERS, stage
 from kuberl.uri import URIError
@@ -42,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "only (for SSE-KMS/SSE-C objects, whose ETags are not MD5s)")
     parser.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                         help="skip files whose relative path matches GLOB (repeatable)")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="SRC is a checkpoint root or one step-<n> checkpoint: stage the newest "
+                             "complete checkpoint under the root (nothing, and exit 0, when there is "
+                             "none yet), or the named one if complete")
     parser.add_argument("--no-unpack", action="store_true",
                         help="keep a .tar source as a file instead of unpacking it")
     parser.add_argument("--log-interval", type=float, default=10.0, metavar="SECONDS",
@@ -57,7 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         print("kuberl stage: --workers and --part-size must be positive", file=sys.stderr)
         return 2
     try:
-        result = stage(args.src, args.dst, workers=args.workers, part_size=args.part_size,
+        src = args.src
+        if args.checkpoint:
+            src = checkpoint_to_restore(args.src)
+            if src is None:
+                print(f"kuberl stage: {args.src} holds no complete checkpoint yet; nothing to stage")
+                return 0
+        result = stage(src, args.dst, workers=args.workers, part_size=args.part_size,
                        checksum=args.checksum, exclude=args.exclude, unpack_tar=not args.no_unpack,
                        log_interval_s=args.log_interval)
     except URIError as exc:

@@ -3,15 +3,15 @@
 The library API the workers share:
 - ``resolve(uri)``: a context manager yielding a local directory for a model URI;
 - ``stage(src, dst)``: verified, parallel, resumable download (``kuberl stage``);
-- ``upload_dir(local, uri)``; ``commit_checkpoint``, ``latest_checkpoint``, ``prune_checkpoints``.
+- ``upload_dir(local, uri)``; ``commit_checkpoint``, ``latest_checkpoint``, ``checkpoint_to_restore``, ``prune_checkpoints``.
 """
 
-from kuberl.storage.checkpoints import (checkpoint_dirname, commit_checkpoint, latest_checkpoint,
-                                        prune_checkpoints)
+from kuberl.storage.checkpoints import (checkpoint_dirname, checkpoint_to_restore, commit_checkpoint,
+                                        latest_checkpoint, prune_checkpoints)
 from kuberl.storage.errors import StorageError
 from kuberl.storage.resolve import resolve
 from kuberl.storage.staging import StageResult, stage
 from kuberl.storage.upload import upload_dir
 
-__all__ = ["StageResult", "StorageError", "checkpoint_dirname", "commit_checkpoint",
+__all__ = ["StageResult", "StorageError", "checkpoint_dirname", "checkpoint_to_restore", "commit_checkpoint",
            "latest_checkpoint", "prune_checkpoints", "resolve", "stage", "upload_dir"]

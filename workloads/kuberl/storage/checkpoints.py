@@ -87,6 +87,19 @@ def latest_checkpoint(root_uri: str) -> str | None:
     return parsed.join(checkpoint_dirname(steps[-1])) if steps else None
 
 
+def checkpoint_to_restore(uri: str) -> str | None:
+    """``uri`` names one checkpoint (``.../step-<n>``) or a checkpoint root: the checkpoint to
+    restore, or None when the root has no complete one yet (a first run)."""
+    parsed = parse(uri, "checkpoint.resume")
+    if not _STEP_DIR.match(parsed.path.rstrip("/").rsplit("/", 1)[-1]):
+        return latest_checkpoint(uri)
+    fs = filesystems.filesystem(parsed)
+    if not with_retries(lambda: fs.exists(f"{filesystems.root_path(parsed)}/{COMPLETE}"), uri=uri):
+        raise StorageError(f"{uri}: this checkpoint has no {COMPLETE} marker (its upload never finished); "
+                           f"resume from its root to take the newest complete one")
+    return uri
+
+
 def prune_checkpoints(root_uri: str, keep: int) -> list[str]:
     """Delete all but the newest ``keep`` complete checkpoints, and incomplete ones older than
     the newest complete one (abandoned attempts; a newer incomplete one may still be uploading).

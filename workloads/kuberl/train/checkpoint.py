@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kuberl.api.types import CheckpointSpec
-from kuberl.storage import checkpoint_dirname, commit_checkpoint, latest_checkpoint, prune_checkpoints, stage
+from kuberl.storage import (checkpoint_dirname, checkpoint_to_restore, commit_checkpoint, latest_checkpoint,
+                            prune_checkpoints, stage)
+from kuberl.storage.errors import StorageError
 
 log = logging.getLogger("kuberl.train")
 DRIVER_STATE = "driver.json"
@@ -89,7 +91,11 @@ class CheckpointManager:
             return None
         if resume == "auto":
             return latest_checkpoint(self.spec.uri) if self.spec.uri else None
-        return resume
+        source = checkpoint_to_restore(resume)
+        if source is None:
+            raise StorageError(f"checkpoint.resume {resume}: no complete checkpoint there; point it at "
+                               f"a step-<n> checkpoint or a root that has one, or use auto")
+        return source
 
     def restore(self, source: str, load_trainer: Callable[[str], None]) -> dict[str, Any]:
         """Fetch checkpoint ``source`` (verified, tar members unpacked safely) and load it."""
