@@ -113,6 +113,20 @@ def test_record_without_exporter_is_a_no_op():
     record_step(DRIVER_STEP)  # a local run: nothing started, nothing raised
 
 
+def test_first_process_of_a_pod_serves_its_port_the_others_record_nowhere():
+    """Trainer ranks and engines of one pod share its metrics port: the first takes it."""
+    code = ("import os, socket, kuberl.metrics as m\n"
+            "os.environ.pop('KUBERL_METRICS_PORT', None)\n"
+            "print(m.start_pod_exporter('trainer'))\n"  # a local run: no port, no exporter
+            "s = socket.socket(); s.bind(('0.0.0.0', 0)); s.listen()\n"
+            "os.environ['KUBERL_METRICS_PORT'] = str(s.getsockname()[1])\n"
+            "print(m.start_pod_exporter('trainer', 1))\n"
+            "s.close()\n"
+            "print(type(m.start_pod_exporter('trainer', 1)).__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["None", "None", "WorkerMetrics"]
+
+
 def test_exporter_without_port_names_the_env_variable():
     code = ("import os, kuberl.metrics as m\nos.environ.pop('KUBERL_METRICS_PORT', None)\n"
             "try:\n m.start_exporter()\nexcept ValueError as e:\n print(e)\n"

@@ -14,6 +14,7 @@ keeps ``import kuberl.metrics`` free for code paths that never export.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import threading
@@ -177,10 +178,25 @@ def start_exporter(port: int | None = None, *, addr: str = "0.0.0.0", job: str |
             except ValueError:
                 raise ValueError(f"KUBERL_METRICS_PORT={raw!r} is not a port number") from None
         registry = registry or REGISTRY
-        metrics = WorkerMetrics(Identity.from_env(job, namespace, role, rank), registry)
+        # Bind first: a port taken by another process of the pod must leave the registry unchanged.
         start_http_server(port, addr=addr, registry=registry)
+        metrics = WorkerMetrics(Identity.from_env(job, namespace, role, rank), registry)
         _exporter = metrics
         return metrics
+
+
+def start_pod_exporter(role: str, rank: int | str = 0) -> WorkerMetrics | None:
+    """In a kuberl pod (``KUBERL_METRICS_PORT`` set by the renderer): serve this process's metrics
+    on the pod's port. The first process of a pod to ask gets the port; later ones (other ranks
+    and engines of the same pod) get None and keep recording nowhere. Outside a pod: None."""
+    if not os.environ.get("KUBERL_METRICS_PORT"):
+        return None
+    try:
+        return start_exporter(role=role, rank=rank)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return None
+        raise
 
 
 def record_step(metrics: Mapping[str, Any]) -> None:

@@ -89,17 +89,22 @@ def make_model(dst: str | Path, *, moe: bool = False, seed: int = 0) -> Path:
     return dst
 
 
-def repeat_letter_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
+# Four letters: a random 2-layer model learns within a few dozen CPU steps to answer in them
+# (reward 0.01 -> ~0.25); with all 26 the reward stays at chance for longer than a demo lasts.
+LETTERS = "abcd"
+
+
+def repeat_letter_rows(n: int, seed: int = 0, letters: str = LETTERS) -> list[dict[str, str]]:
     """Prompts asking for one letter; the reward is the share of response characters equal to it."""
     rng = random.Random(seed)
     return [{"prompt": f"Write the letter {letter}.", "answer": letter}
-            for letter in (rng.choice(string.ascii_lowercase) for _ in range(n))]
+            for letter in (rng.choice(letters) for _ in range(n))]
 
 
-def make_data(dst: str | Path, n: int = 512, seed: int = 0) -> Path:
+def make_data(dst: str | Path, n: int = 512, seed: int = 0, letters: str = LETTERS) -> Path:
     path = Path(dst)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in repeat_letter_rows(n, seed)))
+    path.write_text("".join(json.dumps(row) + "\n" for row in repeat_letter_rows(n, seed, letters)))
     return path
 
 

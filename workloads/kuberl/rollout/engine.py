@@ -58,8 +58,10 @@ class RolloutEngine:
     def __init__(self, spec, model_path: str, served_model_name: str, *, engine_index: int = 0):
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from kuberl.metrics import start_pod_exporter
         from kuberl.storage import resolve
 
+        start_pod_exporter("rollout", engine_index)
         self.spec = spec
         self.engine_index = engine_index
         self.served_model_name = served_model_name

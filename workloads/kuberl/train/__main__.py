@@ -22,7 +22,7 @@ from kuberl.render import RESUME_ANNOTATION
 
 log = logging.getLogger("kuberl.train")
 DEFAULT_HOME = Path(os.environ.get("KUBERL_CACHE", Path.home() / ".cache" / "kuberl"))
-TINY_VERSION = "tiny-v1"
+TINY_VERSION = "tiny-v2"
 
 
 def embedded_job(root: Path) -> RLTrainingJob:
@@ -43,7 +43,7 @@ def embedded_job(root: Path) -> RLTrainingJob:
             "model": {"uri": str(model)},
             "data": {"uri": str(data)},
             "reward": {"builtin": "repeat_letter"},
-            "algorithm": {"groupSize": 8, "promptsPerStep": 8, "microBatchSize": 16, "totalSteps": 30,
+            "algorithm": {"groupSize": 8, "promptsPerStep": 8, "microBatchSize": 16, "totalSteps": 40,
                           "learningRate": 3e-3, "klCoef": 0.0, "seed": 7},
             "trainer": {"gpusPerReplica": 0, "processesPerReplica": 2, "paramDtype": "float32",
                         "gradientCheckpointing": False},
@@ -82,6 +82,7 @@ def run(job: RLTrainingJob, work_dir: Path, *, max_steps: int | None = None, res
     import ray
     from transformers import AutoTokenizer
 
+    from kuberl.metrics import start_pod_exporter
     from kuberl.rollout.pool import EnginePool
     from kuberl.sync import make_weight_sync
     from kuberl.train.checkpoint import CheckpointManager
@@ -98,9 +99,11 @@ def run(job: RLTrainingJob, work_dir: Path, *, max_steps: int | None = None, res
         else:
             # A local Ray. CPUs are logical here: every trainer rank and engine needs a slot even
             # on a 2-core laptop, where they take turns.
-            ray.init(num_cpus=max(os.cpu_count() or 1, local_slots(spec)), include_dashboard=False,
+            # address="local": a new Ray of our own, never one some other program left running.
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, local_slots(spec)), include_dashboard=False,
                      logging_level=logging.WARNING)
     reporter = reporter_from_env()
+    start_pod_exporter("head")
     work_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         model_path = stack.enter_context(local_input(

@@ -18,10 +18,12 @@ import logging
 import shutil
 import tarfile
 import tempfile
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+from kuberl import metrics as pod_metrics
 from kuberl.api.types import CheckpointSpec
 from kuberl.storage import (checkpoint_dirname, checkpoint_to_restore, commit_checkpoint, latest_checkpoint,
                             prune_checkpoints, stage)
@@ -53,6 +55,7 @@ class CheckpointManager:
         """Write checkpoint ``step`` locally (blocking: the trainer's state must not move under it),
         then upload it in the background."""
         self.wait()  # one upload at a time; also surfaces the previous upload's error
+        started = time.perf_counter()
         local = self.work_dir / checkpoint_dirname(step)
         shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True)
@@ -62,6 +65,9 @@ class CheckpointManager:
                 tar.add(local / TRAINER_DIR, arcname=TRAINER_DIR)
             shutil.rmtree(local / TRAINER_DIR)
         (local / DRIVER_STATE).write_text(json.dumps({**driver_state, "step": step}, indent=1))
+        # The stall training sees; the upload that follows runs beside the next steps.
+        pod_metrics.record_checkpoint(time.perf_counter() - started,
+                                      sum(f.stat().st_size for f in local.rglob("*") if f.is_file()))
         self._pending = self._uploader.submit(self._commit, local, step)
 
     def _commit(self, local: Path, step: int) -> str:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kuberl import metrics as pod_metrics
 from kuberl.api.types import RLTrainingJob
 from kuberl.samples import Sample, TrainBatch
 from kuberl.train.checkpoint import CheckpointManager
@@ -90,6 +91,7 @@ class GRPODriver:
 
     def rollout(self, step: int) -> list[Sample]:
         algo = self.spec.algorithm
+        started = time.perf_counter()
         prompts = self.stream.batch(step, algo.prompts_per_step)
         groups = self.engines.generate(self._prompt_ids([p.text for p in prompts]), algo.group_size,
                                        temperature=algo.temperature,
@@ -107,6 +109,7 @@ class GRPODriver:
                         [s.metadata["answer"] for s in samples])
         for sample, reward in zip(samples, rewards, strict=True):
             sample.reward = reward
+        pod_metrics.record_rollout(sum(len(s.response_ids) for s in samples), time.perf_counter() - started)
         return samples
 
     def train_step(self, step: int) -> StepResult:
@@ -161,6 +164,7 @@ class GRPODriver:
                          " ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items())))
                 self.reporter.progress(self.step, total, result.reward_mean,
                                        result.metrics["tokens_per_second"])
+                pod_metrics.record_step({"step": self.step, **result.metrics})
                 if self.metrics_file:
                     with self.metrics_file.open("a") as f:
                         f.write(json.dumps({"step": self.step, **result.metrics}) + "\n")

@@ -43,8 +43,11 @@ class TrainerActor:
               master_addr: str, master_port: int, use_gpu: bool, local_rank: int, numa_policy: str) -> None:
         import torch
 
+        from kuberl.metrics import start_pod_exporter
         from kuberl.storage import resolve
         from kuberl.train.worker import TrainerWorker
+
+        start_pod_exporter("trainer", rank)  # NUMA placement (kuberl_numa_*) of this pod
 
         # Every node stages on its own (no shared filesystem); local paths pass through.
         local_path = self._model_dir.enter_context(
