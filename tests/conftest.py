@@ -11,12 +11,10 @@ pytest_plugins = ["tests.cluster.plugin"] if importlib.util.find_spec("cryptogra
 @pytest.fixture(scope="session")
 def ray_s3_endpoint():
     """moto's S3 server that every Ray worker of the session reaches through AWS_ENDPOINT_URL_S3."""
-    from tests.storage.conftest import start_moto
+    from tests.storage.conftest import moto_server
 
-    proc, endpoint = start_moto()
-    yield endpoint
-    proc.terminate()
-    proc.wait(timeout=30)
+    with moto_server() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture(scope="session")

@@ -77,7 +77,8 @@ def tail(path: Path, lines: int = 40) -> str:
 
 
 def metrics(run_dir: Path) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # Every complete line: the driver may be appending the next one while a test polls.
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]]
     return {row["step"]: {k: v for k, v in row.items() if k not in TIMINGS} for row in rows}
 
 
@@ -137,3 +138,27 @@ def test_killed_driver_resumes_from_s3_bit_identically(run_a, s3_root):
     for step in resumed:
         assert resumed[step] == uninterrupted[step], f"step {step} differs after resuming"
     assert "resumed from s3://grpo-e2e/run-b/step-000000010" in (tmp / "c" / "driver.log").read_text()
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_exits_75(run_a, s3_root):
+    """Preemption: pod eviction or RayJob suspend sends SIGTERM to the driver."""
+    from kuberl.train.driver import EXIT_PREEMPTED
+
+    tmp, _ = run_a
+    fs, bucket, env = s3_root
+    run_d = start_driver(write_config(tmp, f"s3://{bucket}/run-d"), tmp / "d", env)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (tmp / "d" / "metrics.jsonl").exists() or len(metrics(tmp / "d")) < 3:
+            assert run_d.poll() is None, f"run D exited {run_d.returncode}:\n{tail(tmp / 'd' / 'driver.log')}"
+            assert time.monotonic() < deadline, "run D made no progress in time"
+            time.sleep(0.05)
+        run_d.send_signal(signal.SIGTERM)
+        code = run_d.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        kill_group(run_d)
+    assert code == EXIT_PREEMPTED, tail(tmp / "d" / "driver.log")
+    last = max(metrics(tmp / "d"))
+    assert last < 10  # stopped early, not at an interval checkpoint
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{bucket}/run-d/latest") == f"step-{last:09d}".encode()

@@ -3,6 +3,7 @@ subprocess, as s3fs's own tests run it) and fake-gcs-server (built from Go once,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -12,6 +13,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,12 +52,21 @@ def start_moto() -> tuple[subprocess.Popen, str]:
     return proc, endpoint
 
 
+@contextlib.contextmanager
+def moto_server() -> Iterator[str]:
+    """moto's standalone S3 server on a free loopback port; yields its endpoint URL."""
+    proc, endpoint = start_moto()
+    try:
+        yield endpoint
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
-    proc, endpoint = start_moto()
-    yield endpoint
-    proc.terminate()
-    proc.wait(timeout=30)
+    with moto_server() as endpoint:
+        yield endpoint
 
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",

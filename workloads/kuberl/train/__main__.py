@@ -91,8 +91,6 @@ def run(job: RLTrainingJob, work_dir: Path, *, max_steps: int | None = None, res
     from kuberl.train.report import reporter_from_env
 
     spec = job.spec
-    preemption = Preemption()
-    preemption.install()
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):  # inside a RayJob: the cluster kuberl render described
             ray.init(address=os.environ["RAY_ADDRESS"])
@@ -102,6 +100,9 @@ def run(job: RLTrainingJob, work_dir: Path, *, max_steps: int | None = None, res
             # address="local": a new Ray of our own, never one some other program left running.
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, local_slots(spec)), include_dashboard=False,
                      logging_level=logging.WARNING)
+    # After ray.init: Ray's core installs a SIGTERM handler that aborts the process; ours replaces it.
+    preemption = Preemption()
+    preemption.install()
     reporter = reporter_from_env()
     start_pod_exporter("head")
     work_dir.mkdir(parents=True, exist_ok=True)
