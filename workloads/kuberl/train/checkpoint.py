@@ -33,6 +33,9 @@ log = logging.getLogger("kuberl.train")
 DRIVER_STATE = "driver.json"
 TRAINER_DIR = "trainer"
 TRAINER_TAR = "trainer.tar"
+# tarfile copies members in 16 KiB blocks by default: packing a 2.5 GB trainer dir took ~2.3 s
+# instead of ~0.7 s with 1 MiB blocks (bench/checkpoint.py), inside the stall training sees.
+TAR_COPY_BUFSIZE = 1 << 20
 
 
 class CheckpointManager:
@@ -61,7 +64,7 @@ class CheckpointManager:
         local.mkdir(parents=True)
         save_trainer(str(local / TRAINER_DIR))
         if self.spec.format == "tar":
-            with tarfile.open(local / TRAINER_TAR, "w") as tar:  # uncompressed
+            with tarfile.open(local / TRAINER_TAR, "w", copybufsize=TAR_COPY_BUFSIZE) as tar:  # uncompressed
                 tar.add(local / TRAINER_DIR, arcname=TRAINER_DIR)
             shutil.rmtree(local / TRAINER_DIR)
         (local / DRIVER_STATE).write_text(json.dumps({**driver_state, "step": step}, indent=1))
