@@ -7,18 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.sync.test_transport import SHAPES, NamedParams
-
-
-class _Runner:
-    def __init__(self, model):
-        self.model = model
-
-    def reload_weights(self, weights_iterator, is_checkpoint_format=True):
-        self.model.load_weights(weights_iterator)
-
-    def get_model(self):
-        return self.model
+from tests.sync.test_transport import SHAPES, NamedParams, Runner
 
 
 def _receive(handles, metas, bucket_bytes, results):
@@ -26,7 +15,7 @@ def _receive(handles, metas, bucket_bytes, results):
 
     model = NamedParams(SHAPES, seed=None).cuda()
     ext = WeightReceiver()
-    ext.model_runner, ext.device = _Runner(model), torch.device("cuda", 0)
+    ext.model_runner, ext.device = Runner(model), torch.device("cuda", 0)
     loaded = ext.kuberl_load_ipc(handles, metas, bucket_bytes)
     # numpy, not tensors: torch would share CPU tensors by file descriptor, which dies with this process.
     results.put((loaded, {name: p.float().cpu().numpy() for name, p in model.named_parameters()}))

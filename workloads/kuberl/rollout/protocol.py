@@ -26,6 +26,12 @@ def _stop_list(value):
     return [value] if isinstance(value, str) else value
 
 
+def _reject_stream(value):
+    if value:
+        raise ValueError("streaming is not supported by the kuberl rollout endpoint; set stream=false")
+    return value
+
+
 # --- OpenAI ---------------------------------------------------------------------------------
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -53,12 +59,7 @@ class _OpenAISampling(_Body):
             raise ValueError("at most 4 non-empty stop sequences")
         return stops
 
-    @field_validator("stream")
-    @classmethod
-    def _no_stream(cls, value):
-        if value:
-            raise ValueError("streaming is not supported by the kuberl rollout endpoint; set stream=false")
-        return value
+    _no_stream = field_validator("stream")(_reject_stream)
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -98,12 +99,7 @@ class MessagesRequest(_Body):
     metadata: AnthropicMetadata | None = None
     stream: bool = False
 
-    @field_validator("stream")
-    @classmethod
-    def _no_stream(cls, value):
-        if value:
-            raise ValueError("streaming is not supported by the kuberl rollout endpoint; set stream=false")
-        return value
+    _no_stream = field_validator("stream")(_reject_stream)
 
     def chat_messages(self) -> list[dict[str, str]]:
         out = []

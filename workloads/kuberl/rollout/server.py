@@ -125,6 +125,15 @@ def make_app(pool) -> FastAPI:
         except ValueError as err:  # the engine's own input checks
             raise APIError(400, str(err).splitlines()[-1], param="prompt") from None
 
+    def openai_response(id_prefix: str, kind: str, choices: list[dict], prompt_ids: list[int], samples) -> dict:
+        """The envelope chat and text completions share: ids, usage and the weight version."""
+        completion_tokens = sum(len(s.response_ids) for s in samples)
+        return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+                "model": served, "choices": choices, "prompt_token_ids": prompt_ids,
+                "weight_version": samples[0].weight_version,
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                          "total_tokens": len(prompt_ids) + completion_tokens}}
+
     def openai_handler(fn):
         async def handler(request: Request):
             try:
@@ -161,12 +170,7 @@ def make_app(pool) -> FastAPI:
             choices.append({"index": i, "message": {"role": "assistant", "content": s.response_text},
                             "finish_reason": _finish_reason(s), "logprobs": logprobs,
                             "token_ids": s.response_ids})
-        completion_tokens = sum(len(s.response_ids) for s in samples)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": served, "choices": choices, "prompt_token_ids": prompt_ids,
-                "weight_version": samples[0].weight_version,
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                          "total_tokens": len(prompt_ids) + completion_tokens}}
+        return openai_response("chatcmpl", "chat.completion", choices, prompt_ids, samples)
 
     async def completions(request: Request):
         req: CompletionRequest = _parse(CompletionRequest, await read_json(request))
@@ -188,12 +192,7 @@ def make_app(pool) -> FastAPI:
                             "text_offset": offsets}
             choices.append({"index": i, "text": s.response_text, "finish_reason": _finish_reason(s),
                             "logprobs": logprobs, "token_ids": s.response_ids})
-        completion_tokens = sum(len(s.response_ids) for s in samples)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": served, "choices": choices, "prompt_token_ids": prompt_ids,
-                "weight_version": samples[0].weight_version,
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                          "total_tokens": len(prompt_ids) + completion_tokens}}
+        return openai_response("cmpl", "text_completion", choices, prompt_ids, samples)
 
     async def messages(request: Request):
         req: MessagesRequest = _parse(MessagesRequest, await read_json(request))
