@@ -15,16 +15,16 @@ import yaml
 from kuberl.api.validate import validate_manifest
 from kuberl.cli import main as kuberl_main
 from kuberl.render import render, render_manifest
+from tests.cluster.harness import kuberay_crds
 from tests.api.bad_manifests import minimal_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
-KUBERAY = REPO.parent / "shared" / "kuberay"
 K8S_VERSION = "1.35.0"
 
 
 def _crd_schema(name: str) -> dict[str, Any]:
-    crd = yaml.safe_load((KUBERAY / name).read_text())
+    crd = next(c for c in kuberay_crds() if c["metadata"]["name"] == name)
     version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
     return version["schema"]["openAPIV3Schema"]
 
@@ -72,10 +72,10 @@ def test_there_are_the_three_documented_examples():
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_ray_job_validates_against_kuberay_crd(example):
     ray_job = _by_kind(_rendered(example))["RayJob"]
-    schema = _crd_schema("ray.io_rayjobs.yaml")
+    schema = _crd_schema("rayjobs.ray.io")
     jsonschema.validate(ray_job, schema, cls=jsonschema.Draft7Validator)
     assert _unknown_fields(ray_job, schema) == []
-    cluster_schema = _crd_schema("ray.io_rayclusters.yaml")["properties"]["spec"]
+    cluster_schema = _crd_schema("rayclusters.ray.io")["properties"]["spec"]
     assert _unknown_fields(ray_job["spec"]["rayClusterSpec"], cluster_schema) == []
 
 

@@ -4,14 +4,17 @@ One Kubernetes release for every k8s binary; each component is built from
 its Go module through a throwaway go.mod (so that upstream `replace`
 directives, which `go install pkg@version` refuses, do not matter).
 
-KubeRay is pinned to v1.6.2 although the CRDs we install are v1.7.0: the Go
-module proxy answers `403 Forbidden: This module version is not available.`
-for github.com/ray-project/kuberay/ray-operator@v1.7.0 (and for its list),
-so v1.7.0 cannot be built here. v1.6.2 is the newest operator it serves.
+KubeRay is pinned to v1.6.2: the Go module proxy answers `403 Forbidden: This
+module version is not available.` for github.com/ray-project/kuberay/ray-operator
+@v1.7.0 (and for its list), so v1.7.0 cannot be built here. The RayCluster,
+RayJob and RayService CRDs the tests install and validate rendered manifests
+against come from the same module, so CRDs and the running operator are one
+version.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +63,9 @@ class Component:
 
     @property
     def data_name(self) -> str:
-        return f"{self.name}-{self.version}.yaml"
+        # Keyed by the file list too: a cache built with other files is not this one.
+        digest = hashlib.sha256("\n".join(self.data_files).encode()).hexdigest()[:8]
+        return f"{self.name}-{self.version}-{digest}.yaml"
 
 
 def _k8s(name: str, package: str) -> Component:
@@ -94,9 +99,13 @@ COMPONENTS: dict[str, Component] = {
             version=KUBERAY_VERSION,
             package="github.com/ray-project/kuberay/ray-operator",
             group=f"kuberay-{KUBERAY_VERSION}",
-            # The operator always starts its RayService controller, which waits
-            # for this CRD; shared/kuberay has only the RayCluster and RayJob ones.
-            data_files=("config/crd/bases/ray.io_rayservices.yaml",),
+            # Its CRDs, from the module it is built from: RayCluster and RayJob are what
+            # kuberl renders; the operator's RayService controller waits for its CRD too.
+            data_files=(
+                "config/crd/bases/ray.io_rayclusters.yaml",
+                "config/crd/bases/ray.io_rayjobs.yaml",
+                "config/crd/bases/ray.io_rayservices.yaml",
+            ),
         ),
         Component(
             name="kwok",

@@ -4,8 +4,8 @@ etcd, kube-apiserver (TLS, RBAC, service-account tokens), kube-controller-
 manager, kube-scheduler, KWOK (fake GPU nodes whose pods it reports Running)
 and the KubeRay operator, the way controller-runtime's envtest runs a control
 plane without containers. Binaries come from `python -m tests.cluster build`.
-CRDs: RayCluster and RayJob v1.7.0 from shared/kuberay (what kuberl renders
-against), RayService from the operator's own module (its controller needs it).
+CRDs: RayCluster, RayJob and RayService from the KubeRay operator's own Go
+module, the version that runs (see kuberay_crds()).
 
     with Cluster() as cluster:
         cluster.kubectl("get", "nodes")
@@ -55,20 +55,12 @@ class ClusterError(RuntimeError):
     """The control plane did not come up; the message names the component and its log."""
 
 
-def kuberay_crd_dir() -> Path:
-    """The KubeRay v1.7.0 CRDs: $KUBERL_SHARED_DIR/kuberay, else shared/ in or beside the checkout."""
-    candidates = []
-    if os.environ.get("KUBERL_SHARED_DIR"):
-        candidates.append(Path(os.environ["KUBERL_SHARED_DIR"]) / "kuberay")
-    candidates += [REPO_ROOT / "shared" / "kuberay", REPO_ROOT.parent / "shared" / "kuberay"]
-    for path in candidates:
-        if (path / "ray.io_rayclusters.yaml").is_file():
-            return path
-    raise ClusterError(
-        "KubeRay CRDs not found; looked for ray.io_rayclusters.yaml in "
-        + ", ".join(str(p) for p in candidates)
-        + ". Set KUBERL_SHARED_DIR to the directory holding kuberay/."
-    )
+def kuberay_crds() -> list[dict]:
+    """KubeRay's CRDs at the version the harness builds and runs (from its Go module)."""
+    path = data_path("kuberay-operator")
+    if not path.is_file():
+        raise ClusterError(f"KubeRay CRDs not built ({path}); run `python -m tests.cluster build`")
+    return [crd for crd in yaml.safe_load_all(path.read_text()) if crd]
 
 
 def free_port() -> int:
@@ -306,12 +298,9 @@ class Cluster:
         _wait("kube-apiserver /readyz", lambda: self._api_ok("/readyz"), 90, [apiserver], interval=0.2)
 
     def _create_kuberay_crds(self) -> None:
-        files = [*sorted(kuberay_crd_dir().glob("ray.io_*.yaml")), data_path("kuberay-operator")]
-        # Straight to the API: a kubectl process per file costs seconds under load.
-        for path in files:
-            for crd in yaml.safe_load_all(path.read_text()):
-                if crd:
-                    self._api_create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
+        # Straight to the API: a kubectl process per CRD costs seconds under load.
+        for crd in kuberay_crds():
+            self._api_create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
 
     def _wait_kuberay_crds(self) -> None:
         for name in ("rayclusters.ray.io", "rayjobs.ray.io", "rayservices.ray.io"):
@@ -548,4 +537,4 @@ def _install_signal_handlers(cluster: Cluster) -> None:
         signal.signal(signum, handler)
 
 
-__all__ = ["Cluster", "ClusterError", "ComponentExited", "ToolError", "fake_gpu_node", "kuberay_crd_dir"]
+__all__ = ["Cluster", "ClusterError", "ComponentExited", "ToolError", "fake_gpu_node", "kuberay_crds"]
