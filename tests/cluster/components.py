@@ -137,8 +137,8 @@ COMPONENTS: dict[str, Component] = {
 
 
 def cache_dir() -> Path:
-    """Root of the build cache; KUBERL_CACHE_DIR overrides ~/.cache/kuberl."""
-    override = os.environ.get("KUBERL_CACHE_DIR")
+    """Root of the build cache: $KUBERL_CACHE (as for .ci/setup and `kuberl train`), else ~/.cache/kuberl."""
+    override = os.environ.get("KUBERL_CACHE")
     return Path(override) if override else Path.home() / ".cache" / "kuberl"
 
 

@@ -41,7 +41,7 @@ def test_warm_build_never_calls_go(tmp_path):
 
 def test_too_old_go_is_a_clear_error(tmp_path):
     path = _fake_go(tmp_path, "go1.21.0")
-    result = _build({"PATH": f"{path}:{os.environ['PATH']}", "KUBERL_CACHE_DIR": str(tmp_path / "cache")})
+    result = _build({"PATH": f"{path}:{os.environ['PATH']}", "KUBERL_CACHE": str(tmp_path / "cache")})
     assert result.returncode == 1
     assert "Go 1.21" in result.stderr and "too old" in result.stderr and "need Go >= 1.26" in result.stderr
     assert not (tmp_path / "cache" / "bin").exists() or not any((tmp_path / "cache" / "bin").iterdir())
