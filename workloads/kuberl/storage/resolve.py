@@ -13,7 +13,7 @@ from kuberl.api.types import REMOTE_CODE_GLOBS
 from kuberl.storage import filesystems
 from kuberl.storage.errors import explain
 from kuberl.storage.staging import stage
-from kuberl.uri import parse
+from kuberl.uri import parse, revision_problem
 
 
 
@@ -33,6 +33,8 @@ def resolve(uri: str, *, revision: str | None = None, trust_remote_code: bool = 
     if revision is not None and parsed.scheme != "hf":
         raise ValueError(f"{uri}: revision={revision!r} applies only to Hugging Face sources; "
                          f"put the version in the path instead")
+    if revision is not None and (problem := revision_problem(revision)):
+        raise ValueError(f"{uri}: revision {revision!r} {problem}")
     exclude = () if trust_remote_code else REMOTE_CODE_GLOBS
     if parsed.scheme in ("file", "pvc"):
         path = filesystems.local_path(parsed)
