@@ -24,6 +24,7 @@ _RESOURCES = {
     "ConfigMap": ("/api/v1", "configmaps"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "RayJob": ("/apis/ray.io/v1", "rayjobs"),
     t.KIND: (f"/apis/{t.API_VERSION}", t.PLURAL),
 }

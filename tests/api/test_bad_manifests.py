@@ -16,7 +16,7 @@ def test_the_table_is_large_enough():
 
 def test_the_minimal_manifest_is_valid():
     objects = render_manifest(minimal_manifest())
-    assert [o["kind"] for o in objects] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "RayJob"]
+    assert [o["kind"] for o in objects] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "NetworkPolicy", "RayJob"]
 
 
 @pytest.mark.parametrize("case", BAD_MANIFESTS, ids=lambda c: c.id)

@@ -225,6 +225,6 @@ def test_head_stages_the_model_without_weights_and_revision_travels_in_the_uri()
     pods = _pods(_by_kind(render_manifest(manifest))["RayJob"])
     head = {c["name"]: c["args"] for c in pods["head"]["initContainers"]}["stage-model"]
     trainer = {c["name"]: c["args"] for c in pods["trainer"]["initContainers"]}["stage-model"]
-    assert trainer == ["stage", "hf://Qwen/Qwen2.5-1.5B-Instruct@v1.1", "/kuberl/model"]
+    assert trainer == ["stage", "--exclude", "*.py", "hf://Qwen/Qwen2.5-1.5B-Instruct@v1.1", "/kuberl/model"]
     assert head[:3] == ["stage", "--exclude", "*.safetensors"] and "*.bin" in head
     assert head[-2:] == ["hf://Qwen/Qwen2.5-1.5B-Instruct@v1.1", "/kuberl/model"]

@@ -20,7 +20,7 @@ def config_map_of(j):
 
 def test_new_job_creates_identity_config_and_rayjob_in_order():
     plan = next_action(job(), observed(), NOW, SETTINGS)
-    assert [o["kind"] for o in plan.apply] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "RayJob"]
+    assert [o["kind"] for o in plan.apply] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "NetworkPolicy", "RayJob"]
     assert plan.apply[-1]["metadata"]["name"] == "tiny"
     assert plan.status["phase"] == "Pending" and not plan.delete_ray_jobs
     # Same observation, same plan: running it twice creates the same names, nothing more.

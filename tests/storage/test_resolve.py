@@ -98,3 +98,10 @@ def test_unknown_hf_id_is_a_storage_error_not_file_not_found(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("StorageError kuberl-test/absent: Hugging Face")
+
+
+def test_revision_git_would_refuse_never_reaches_huggingface_hub(tmp_path):
+    with pytest.raises(ValueError, match="git refuses such names"):
+        with resolve("hf://org/model", revision="../../../../tmp/x", cache_dir=tmp_path):
+            pass
+    assert list(tmp_path.iterdir()) == []

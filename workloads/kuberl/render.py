@@ -7,6 +7,8 @@ One job becomes:
   at /etc/kuberl in every Ray container;
 - a ServiceAccount, Role and RoleBinding whose only right is ``patch`` on this one job's status,
   so the workload can report progress and nothing else.
+- a NetworkPolicy that lets only the job's own pods, KubeRay, the operators and Prometheus reach
+  the Ray head (``render_network_policy``).
 
 Models, data and checkpoints reach each pod through init containers that run ``kuberl stage`` into a
 pod-local volume; credentials Secrets are given to those init containers only (checkpoint
@@ -190,6 +192,7 @@ def _init_containers(job: t.RLTrainingJob, role: str, res: t.Resources, resume: 
     if _needs_stage(spec.model.uri):
         # The driver needs the tokenizer and config, not the weights.
         extra = [arg for glob in WEIGHT_FILES for arg in ("--exclude", glob)] if role == "head" else []
+        extra += [] if spec.model.trust_remote_code else [a for g in t.REMOTE_CODE_GLOBS for a in ("--exclude", g)]
         out.append(_stage_container(job, "stage-model", _model_source(spec.model), MODEL_DIR,
                                     spec.model.credentials, res, extra))
     if role == "head" and _needs_stage(spec.data.uri):
@@ -413,6 +416,7 @@ def render(job: t.RLTrainingJob, *, resume_from: str | None = None, attempt: int
     return [
         *render_workload_identity(job),
         render_config_map(job, resume_from=resume_from, attempt=attempt),
+        render_network_policy(job, attempt),
         render_ray_job(job, resume_from=resume_from, attempt=attempt),
     ]
 
@@ -420,3 +424,45 @@ def render(job: t.RLTrainingJob, *, resume_from: str | None = None, attempt: int
 def render_manifest(manifest: dict[str, Any], **kw: Any) -> list[dict[str, Any]]:
     """Validate a manifest as the API server would, then render it."""
     return render(validate_manifest(manifest), **kw)
+
+
+# --- network access to the Ray head ------------------------------------------------------------
+
+# Namespaces an administrator labelled to say "the Ray-job infrastructure runs here" (KubeRay's
+# operator, kuberl's operator, Prometheus). Namespaces are cluster-scoped: a tenant who may create
+# pods, and so label them as anything, may not label a namespace.
+PEER_NAMESPACE_LABEL = "kuberl.dev/ray-head-peers"
+RAY_DASHBOARD_PORT = 8265
+
+
+def render_network_policy(job: t.RLTrainingJob, attempt: int = 0) -> dict[str, Any]:
+    """A NetworkPolicy admitting to this job's Ray head only: the job's own pods (any port: GCS,
+    object transfer, Ray client); KubeRay's submitter pod of the current attempt and the operators
+    (KubeRay's polls the job API) to the dashboard / job-submission port; Prometheus to the metrics
+    ports. The head's job API runs code next to the job's Secrets, so nothing else may reach it."""
+    trusted = {"matchLabels": {PEER_NAMESPACE_LABEL: "true"}}
+    dashboard = [{"protocol": "TCP", "port": RAY_DASHBOARD_PORT}]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(job, f"{job.metadata.name}-ray-head", "network"),
+        "spec": {
+            "podSelector": {"matchLabels": {"kuberl.dev/job": job.metadata.name, "kuberl.dev/role": "head"}},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": {"kuberl.dev/job": job.metadata.name}}}]},
+                {"from": [
+                    {"podSelector": {"matchLabels": {"ray.io/originated-from-cr-name": ray_job_name(job, attempt),
+                                                     "ray.io/originated-from-crd": "RayJob"}}},
+                    {"namespaceSelector": trusted,
+                     "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}},
+                    {"namespaceSelector": trusted,
+                     "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberl",
+                                                     "app.kubernetes.io/component": "operator"}}},
+                 ], "ports": dashboard},
+                {"from": [{"namespaceSelector": trusted,
+                           "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}],
+                 "ports": [{"protocol": "TCP", "port": METRICS_PORT}, {"protocol": "TCP", "port": RAY_METRICS_PORT}]},
+            ],
+        },
+    }

@@ -48,6 +48,48 @@ CHECKPOINT_URI_PATTERN = (
 )
 
 
+# A Hugging Face revision (branch, tag, "refs/pr/<n>" or a 40-hex commit id) goes into request
+# paths and huggingface_hub's cache paths: accept only what `git check-ref-format --allow-onelevel`
+# accepts. Each rule is a regular expression (RE2 and Python alike) that matches a revision
+# breaking it; the CRD's CEL rules and parse() use this one table. Rules written with '^' are
+# anchored at the revision's start (see REVISION_IN_URI_PATTERN).
+REVISION_RULES: tuple[tuple[str, str], ...] = (
+    (r"[\x00-\x20\x7f~^:?*\[\\]", "spaces, control characters and ~ ^ : ? * [ \\"),
+    (r"[.][.]", "'..'"),
+    (r"@[{]", "'@{'"),
+    (r"^@$", "'@' alone"),
+    (r"^/", "a leading '/'"),
+    (r"/$", "a trailing '/'"),
+    (r"//", "'//'"),
+    (r"^[.]", "a component starting with '.'"),
+    (r"/[.]", "a component starting with '.'"),
+    (r"[.]lock$", "a component ending in '.lock'"),
+    (r"[.]lock/", "a component ending in '.lock'"),
+    (r"[.]$", "a trailing '.'"),
+)
+MAX_REVISION_LENGTH = 255
+# Matches a path with a '.' or '..' segment (parse() refuses those for every scheme).
+DOT_SEGMENT_VIOLATION = r"(^|/)[.][.]?(/|$)"
+# Matches a bad revision.
+REVISION_VIOLATION = "|".join(f"({rule})" for rule, _ in REVISION_RULES)
+# Matches a Hugging Face URI (hf://org/name@rev or org/name@rev) whose revision is bad.
+REVISION_IN_URI_VIOLATION = rf"^(hf://)?{_HF_RE}@(" + "|".join(
+    f"({rule[1:]})" if rule.startswith("^") else f"(.*{rule})" for rule, _ in REVISION_RULES) + ")"
+REVISION_RULES_TEXT = ("a branch, tag or commit as git allows them: no " +
+                       ", ".join(dict.fromkeys(why for _, why in REVISION_RULES)) +
+                       f"; at most {MAX_REVISION_LENGTH} characters")
+
+
+def revision_problem(revision: str) -> str | None:
+    """Why ``revision`` is not a revision git would accept, or None."""
+    if not revision or len(revision) > MAX_REVISION_LENGTH:
+        return f"must be 1-{MAX_REVISION_LENGTH} characters"
+    for rule, why in REVISION_RULES:
+        if re.search(rule, revision):
+            return f"contains {why} (git refuses such names)"
+    return None
+
+
 class URIError(ValueError):
     """A URI a user wrote is malformed; the message says what is wrong and how to fix it."""
 
@@ -100,6 +142,7 @@ def parse(uri: str, field: str = "uri") -> ParsedURI:
             repo, _, revision = rest.partition("@")
             if not _HF_ID.match(repo):
                 raise URIError(f"{field}: {uri!r} is not hf://org/name[@revision]")
+            _check_revision(uri, revision, field)
             return ParsedURI("hf", repo, "", revision or None, uri)
         if scheme == "pvc":
             claim, _, path = rest.partition("/")
@@ -114,8 +157,15 @@ def parse(uri: str, field: str = "uri") -> ParsedURI:
         return ParsedURI("file", "", uri, None, uri)
     repo, _, revision = uri.partition("@")
     if _HF_ID.match(repo) and not repo.startswith("."):
+        _check_revision(uri, revision, field)
         return ParsedURI("hf", repo, "", revision or None, uri)
     raise URIError(f"{field}: {uri!r} is neither an absolute path nor a known URI ({_FORMS})")
+
+
+def _check_revision(uri: str, revision: str, field: str) -> None:
+    problem = revision_problem(revision) if revision or uri.endswith("@") else None
+    if problem:
+        raise URIError(f"{field}: the revision {revision!r} in {uri!r} {problem}; give {REVISION_RULES_TEXT}")
 
 
 def _reject_dot_segments(uri: str, path: str, field: str) -> None:

@@ -9,12 +9,13 @@ itself rejects a bad manifest; ``kuberl.api.cel`` evaluates the same rules local
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
-from kuberl.uri import CHECKPOINT_URI_PATTERN, URI_PATTERN
+from kuberl.uri import (CHECKPOINT_URI_PATTERN, DOT_SEGMENT_VIOLATION, MAX_REVISION_LENGTH,
+                        REVISION_IN_URI_VIOLATION, REVISION_RULES_TEXT, REVISION_VIOLATION, URI_PATTERN)
 
 GROUP = "kuberl.dev"
 VERSION = "v1alpha1"
@@ -61,16 +62,49 @@ def uri_field(description: str, **kw: Any) -> Any:
     return Field(pattern=URI_PATTERN, max_length=2048, description=description, **kw)
 
 
+def dot_segment_rule(field: str, optional: bool = False) -> dict:
+    """No '.' or '..' segments in a URI: the stager and the renderer refuse them, so the API server
+    must too, or a job it accepted would wedge afterwards."""
+    guard = f"!has(self.{field}) || " if optional else ""
+    return rule(f"{guard}!self.{field}.matches(r'{DOT_SEGMENT_VIOLATION}')",
+                "'.' and '..' path segments are not allowed in a URI; write the path plainly", f".{field}")
+
+
+def revision_in_uri_rule(field: str) -> dict:
+    """A Hugging Face revision after '@' that git would accept (it reaches huggingface_hub's paths)."""
+    return rule(f"!self.{field}.matches(r'{REVISION_IN_URI_VIOLATION}')",
+                f"the revision after '@' must be {REVISION_RULES_TEXT}", f".{field}")
+
+
+# Bounds on every list and map: far above what a real job uses, far below what would carry an
+# object toward etcd's size limit (each entry is copied into every pod template of the RayJob).
+MAX_LIST_ITEMS = 64
+MAX_LABEL_KEY = 317     # a DNS-1123 prefix (253), '/', a name (63)
+MAX_LABEL_VALUE = 63
+
+
 class SecretRef(APIModel):
     name: str = Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
                       description="Name of a Secret in the job's namespace.")
 
 
+# What ``trustRemoteCode: false`` keeps out of every pod: the repository's Python files are never
+# staged, so code nobody vouched for never lands beside the weights (stager, resolve(), export).
+REMOTE_CODE_GLOBS = ("*.py",)
+
+
 class ModelSpec(APIModel):
+    model_config = ConfigDict(json_schema_extra=_rules(
+        dot_segment_rule("uri"),
+        revision_in_uri_rule("uri"),
+        rule(f"!has(self.revision) || !self.revision.matches(r'{REVISION_VIOLATION}')",
+             f"model.revision must be {REVISION_RULES_TEXT}", ".revision"),
+    ))
     uri: str = uri_field("Where the model is: s3://bucket/prefix, gs://bucket/prefix, hf://org/name, "
                          "a Hugging Face id (org/name), pvc://claim/path, or an absolute path in the image.")
-    revision: str | None = Field(None, max_length=255,
-                                 description="Hugging Face revision (branch, tag or commit) for hf:// and Hub ids.")
+    revision: str | None = Field(None, min_length=1, max_length=MAX_REVISION_LENGTH,
+                                 description="Hugging Face revision (branch, tag or commit) for hf:// and Hub "
+                                             "ids, as git allows it (no '..', spaces, ~ ^ : ? * [ \\ and so on).")
     trust_remote_code: bool = Field(False, description="Run the model repository's own Python code "
                                     "(modeling_*.py). Only for sources you trust.")
     credentials: SecretRef | None = Field(None, description="Secret with AWS_*, "
@@ -79,10 +113,11 @@ class ModelSpec(APIModel):
 
 
 class DataSpec(APIModel):
+    model_config = ConfigDict(json_schema_extra=_rules(dot_segment_rule("uri"), revision_in_uri_rule("uri")))
     uri: str = uri_field("Training prompts: a .jsonl or .parquet file (or a prefix of them), local or cloud.")
     format: Literal["auto", "jsonl", "parquet"] = Field("auto", description="File format; auto uses the extension.")
-    prompt_field: str = Field("prompt", min_length=1, description="Field holding the prompt text.")
-    answer_field: str = Field("answer", min_length=1, description="Field holding the reference answer "
+    prompt_field: str = Field("prompt", min_length=1, max_length=256, description="Field holding the prompt text.")
+    answer_field: str = Field("answer", min_length=1, max_length=256, description="Field holding the reference answer "
                               "passed to the reward function.")
     credentials: SecretRef | None = Field(None, description="Secret for reading the data (init containers only).")
 
@@ -97,7 +132,7 @@ class RewardSpec(APIModel):
                           "answer) or repeat_letter (a toy verifiable task: the share of response "
                           "characters equal to the answer letter).")
     function: str | None = Field(
-        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$",
+        None, max_length=512, pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$",
         description="An importable reward function, module.path:function, called with "
                     "(prompts, responses, answers) and returning one float per response.")
 
@@ -185,6 +220,8 @@ class CheckpointSpec(APIModel):
         rule(f"self.resume in ['auto', 'never'] || self.resume.matches(r'{CHECKPOINT_URI_PATTERN}')",
              "checkpoint.resume must be auto, never, or the URI of a checkpoint "
              "(s3://, gs://, pvc:// or an absolute path)", ".resume"),
+        dot_segment_rule("uri", optional=True),
+        dot_segment_rule("resume"),
         rule("!self.exportHuggingFace || has(self.uri)",
              "checkpoint.exportHuggingFace needs checkpoint.uri (where to write the export)",
              ".exportHuggingFace"),
@@ -210,18 +247,25 @@ class NumaSpec(APIModel):
 
 
 class Toleration(APIModel):
-    key: str | None = None
+    key: str | None = Field(None, max_length=MAX_LABEL_KEY)
     operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = None
+    value: str | None = Field(None, max_length=MAX_LABEL_VALUE)
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     toleration_seconds: int | None = None
 
 
 class SchedulingSpec(APIModel):
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels every pod must match.")
-    tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations for every pod.")
-    priority_class_name: str | None = Field(None, description="PriorityClass for every pod.")
-    queue_name: str | None = Field(None, description="Kueue LocalQueue; sets kueue.x-k8s.io/queue-name on the RayJob.")
+    model_config = ConfigDict(json_schema_extra=_rules(
+        rule(f"self.nodeSelector.all(k, size(k) <= {MAX_LABEL_KEY})",
+             f"scheduling.nodeSelector keys are label keys: at most {MAX_LABEL_KEY} characters", ".nodeSelector"),
+    ))
+    node_selector: dict[str, Annotated[str, StringConstraints(max_length=MAX_LABEL_VALUE)]] = Field(
+        default_factory=dict, max_length=MAX_LIST_ITEMS, description="Node labels every pod must match.")
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=MAX_LIST_ITEMS,
+                                          description="Tolerations for every pod.")
+    priority_class_name: str | None = Field(None, max_length=253, description="PriorityClass for every pod.")
+    queue_name: str | None = Field(None, max_length=MAX_LABEL_VALUE,
+                                   description="Kueue LocalQueue; sets kueue.x-k8s.io/queue-name on the RayJob.")
 
 
 class RLTrainingJobSpec(APIModel):
@@ -282,7 +326,7 @@ Phase = Literal["Pending", "Staging", "Starting", "Running", "Suspended", "Succe
 
 
 class Condition(APIModel):
-    type: str
+    type: str = Field(max_length=316)
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
     message: str = Field("", max_length=32768)
@@ -299,22 +343,22 @@ class Progress(APIModel):
 
 
 class CheckpointRef(APIModel):
-    uri: str
+    uri: str = Field(max_length=2048)
     step: int
     time: datetime
 
 
 class RLTrainingJobStatus(APIModel):
     phase: Phase | None = None
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
     observed_generation: int | None = None
-    ray_job_name: str | None = None
-    ray_cluster_name: str | None = None
-    dashboard_url: str | None = Field(None, alias="dashboardURL")
+    ray_job_name: str | None = Field(None, max_length=253)
+    ray_cluster_name: str | None = Field(None, max_length=253)
+    dashboard_url: str | None = Field(None, alias="dashboardURL", max_length=2048)
     progress: Progress | None = None
     last_checkpoint: CheckpointRef | None = None
     restarts: int = 0
-    message: str | None = None
+    message: str | None = Field(None, max_length=32768)
     start_time: datetime | None = None
     completion_time: datetime | None = None
 

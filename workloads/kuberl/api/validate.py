@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from kuberl.api.crd import openapi_schema
 from kuberl.api.types import RLTrainingJob
-from kuberl.uri import URIError, parse
+from kuberl.uri import URIError, parse, revision_problem
 
 
 class ManifestError(ValueError):
@@ -107,14 +107,18 @@ def validate_manifest(manifest: dict[str, Any]) -> RLTrainingJob:
     if errors:
         raise ManifestError(errors)
     job = RLTrainingJob.model_validate(defaulted)
-    errors = _uri_errors(job)
+    errors = uri_errors(job)
     if errors:
         raise ManifestError(errors)
     return job
 
 
-def _uri_errors(job: RLTrainingJob) -> list[str]:
-    """What a regular expression cannot say about a URI (e.g. '..' segments), field by field."""
+def uri_errors(job: RLTrainingJob) -> list[str]:
+    """What the stager and the renderer refuse in the job's URIs and revision, field by field.
+
+    The CRD's CEL rules say the same; the operator asks again for jobs stored before those rules
+    (or under a CRD that lacks them), so that such a job fails with the field named instead of
+    wedging its reconcile."""
     spec = job.spec
     named = {"spec.model.uri": spec.model.uri, "spec.data.uri": spec.data.uri,
              "spec.checkpoint.uri": spec.checkpoint.uri}
@@ -128,4 +132,6 @@ def _uri_errors(job: RLTrainingJob) -> list[str]:
             parse(value, field)
         except URIError as exc:
             errors.append(str(exc))
+    if spec.model.revision is not None and (problem := revision_problem(spec.model.revision)):
+        errors.append(f"spec.model.revision: {spec.model.revision!r} {problem}")
     return errors

@@ -24,7 +24,7 @@ from pathlib import Path
 import fsspec
 
 from kuberl.storage.errors import StorageError, explain, with_retries
-from kuberl.storage.manifest import FileRecord, load_verified
+from kuberl.storage.manifest import FileRecord
 from kuberl.storage.progress import Progress, log
 from kuberl.storage.safepath import PART_SUFFIX, checked_relpath, target_path
 from kuberl.uri import ParsedURI
@@ -69,6 +69,10 @@ def list_source(fs: fsspec.AbstractFileSystem, parsed: ParsedURI, root: str, uri
         raise
     files = []
     for key, info in listing.items():
+        if info.get("islink") and not parsed.is_cloud and os.path.isfile(key):
+            # A local symlink to a file (a Hugging Face cache is built of them; pvc:// sources were
+            # checked to link only within their claim): copy what it points at.
+            info = {**info, "type": "file", "size": os.stat(key).st_size}
         if info.get("type") != "file" or key.endswith("/"):
             continue  # "folder" marker objects carry no data
         if key.rstrip("/") == root:
@@ -284,11 +288,10 @@ def remove_stale_parts(dst: Path) -> None:
             part.unlink()
 
 
-def already_verified(files: list[RemoteFile], dst: Path) -> tuple[list[RemoteFile],
-                                                                   list[FileRecord]]:
+def already_verified(files: list[RemoteFile], dst: Path, verified: dict[str, FileRecord]
+                     ) -> tuple[list[RemoteFile], list[FileRecord]]:
     """Split ``files`` into those still to download and the records of those already in place
-    (same size and store identity as recorded, and the file on disk has that size)."""
-    verified = load_verified(dst)
+    (same size and store identity as ``verified`` records, and the file on disk has that size)."""
     todo, kept = [], []
     for remote in files:
         record = verified.get(remote.rel)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import fsspec
 
+from kuberl.storage.errors import StorageError
 from kuberl.uri import ParsedURI
 
 DEFAULT_PVC_ROOT = "/mnt/pvc"
@@ -29,6 +30,25 @@ def local_path(parsed: ParsedURI) -> Path:
     if parsed.scheme == "pvc":
         return pvc_root() / parsed.bucket / parsed.path
     raise ValueError(f"{parsed.original!r} is not a local or pvc:// path")
+
+
+def check_claim_containment(parsed: ParsedURI) -> None:
+    """Refuse a ``pvc://`` source any entry of which resolves (through symlinks) outside its claim.
+
+    A claim may hold symlinks (a Hugging Face cache is built of them), but none may lead out of
+    it: whoever can write to the claim must not make a pod read the pod's own files (its
+    ServiceAccount token, /proc/self/environ with a Secret's variables, other mounts). Symlinked
+    directories are checked, never descended into.
+    """
+    claim = os.path.realpath(pvc_root() / parsed.bucket)
+    source = local_path(parsed)
+    entries = [source] + [Path(d) / name for d, dirs, files in os.walk(source) for name in dirs + files]
+    for entry in entries:
+        real = os.path.realpath(entry)
+        if os.path.commonpath([claim, real]) != claim:
+            raise StorageError(f"{parsed.original}: refusing {entry}: it is a symlink (or lies below one) "
+                               f"leading out of claim {parsed.bucket!r} to {real}; a pvc:// source may "
+                               f"only link within its claim")
 
 
 def filesystem(parsed: ParsedURI, *, max_connections: int = 32) -> fsspec.AbstractFileSystem:

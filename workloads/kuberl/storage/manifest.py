@@ -26,13 +26,16 @@ class FileRecord:
     checksum: str        # what was verified beyond the size: "md5" or "size"
 
 
-def load_verified(dst: Path) -> dict[str, FileRecord]:
-    """Files recorded as verified by an earlier run, from ``.complete`` and the journal."""
+def load_verified(dst: Path, source: str) -> dict[str, FileRecord]:
+    """Files an earlier run recorded as verified copies of ``source``, from ``.complete`` and the
+    journal. Records of another source count for nothing: a directory reused for a different
+    source is checked against the new listing from scratch."""
     records: dict[str, FileRecord] = {}
-    complete = dst / COMPLETE_NAME
     try:
-        for item in json.loads(complete.read_text())["files"]:
-            records[item["path"]] = FileRecord(**item)
+        complete = json.loads((dst / COMPLETE_NAME).read_text())
+        if complete["source"] == source:
+            for item in complete["files"]:
+                records[item["path"]] = FileRecord(**item)
     except FileNotFoundError:
         pass
     except (ValueError, KeyError, TypeError):
@@ -41,7 +44,9 @@ def load_verified(dst: Path) -> dict[str, FileRecord]:
         lines = (dst / JOURNAL_NAME).read_text().splitlines()
     except FileNotFoundError:
         lines = []
-    for line in lines:
+    if not lines or _journal_source(lines[0]) != source:
+        return records
+    for line in lines[1:]:
         try:
             record = FileRecord(**json.loads(line))
         except (ValueError, TypeError):
@@ -50,10 +55,28 @@ def load_verified(dst: Path) -> dict[str, FileRecord]:
     return records
 
 
-class Journal:
-    """Appends one JSON line per verified file; safe to call from many threads."""
+def _journal_source(line: str) -> str | None:
+    try:
+        return json.loads(line)["source"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
-    def __init__(self, dst: Path):
+
+class Journal:
+    """One run's record of verified files: a ``{"source": ...}`` line, then one JSON line per
+    verified file; ``append`` is safe to call from many threads.
+
+    Opening it withdraws ``.complete``: from then on the directory changes, and a run killed
+    part-way must not leave a marker vouching for a mix of old and new files. The records still
+    valid (``carried``) are written first, so that kill costs no re-download."""
+
+    def __init__(self, dst: Path, source: str, carried: list[FileRecord] = ()):
+        tmp = dst / (JOURNAL_NAME + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as out:
+            out.write(json.dumps({"source": source}) + "\n")
+            out.writelines(json.dumps(asdict(r)) + "\n" for r in carried)
+        os.replace(tmp, dst / JOURNAL_NAME)
+        withdraw_complete(dst)
         self._file = open(dst / JOURNAL_NAME, "a", encoding="utf-8")
         self._lock = threading.Lock()
 
@@ -65,6 +88,11 @@ class Journal:
 
     def close(self) -> None:
         self._file.close()
+
+
+def withdraw_complete(dst: Path) -> None:
+    """Remove ``dst/.complete`` before anything in ``dst`` changes."""
+    (dst / COMPLETE_NAME).unlink(missing_ok=True)
 
 
 def write_complete(dst: Path, source: str, records: list[FileRecord],

@@ -9,14 +9,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kuberl.api.types import REMOTE_CODE_GLOBS
 from kuberl.storage import filesystems
 from kuberl.storage.errors import explain
 from kuberl.storage.staging import stage
-from kuberl.uri import parse
+from kuberl.uri import parse, revision_problem
 
-# Python files in a model repo run only with trust_remote_code; without it they are not fetched,
-# so code from a source nobody vouched for never lands beside the weights.
-_REMOTE_CODE = ("*.py",)
 
 
 @contextmanager
@@ -25,7 +23,7 @@ def resolve(uri: str, *, revision: str | None = None, trust_remote_code: bool = 
     """Yield a local directory holding ``uri``.
 
     - absolute paths and ``pvc://claim/path`` (mounted at ``$KUBERL_PVC_ROOT/claim``, default
-      ``/mnt/pvc``) pass through without copying;
+      ``/mnt/pvc``) pass through without copying; a claim's symlinks may not lead out of it;
     - ``hf://org/name[@rev]`` and bare ids such as ``Qwen/Qwen2.5-1.5B-Instruct`` go through
       huggingface_hub's snapshot_download (its cache, ``cache_dir`` if given);
     - ``s3://`` and ``gs://`` are staged into a temporary directory (under ``cache_dir`` if given)
@@ -35,7 +33,9 @@ def resolve(uri: str, *, revision: str | None = None, trust_remote_code: bool = 
     if revision is not None and parsed.scheme != "hf":
         raise ValueError(f"{uri}: revision={revision!r} applies only to Hugging Face sources; "
                          f"put the version in the path instead")
-    exclude = () if trust_remote_code else _REMOTE_CODE
+    if revision is not None and (problem := revision_problem(revision)):
+        raise ValueError(f"{uri}: revision {revision!r} {problem}")
+    exclude = () if trust_remote_code else REMOTE_CODE_GLOBS
     if parsed.scheme in ("file", "pvc"):
         path = filesystems.local_path(parsed)
         if not path.exists():
@@ -43,6 +43,8 @@ def resolve(uri: str, *, revision: str | None = None, trust_remote_code: bool = 
                     f"{parsed.bucket}? KUBERL_PVC_ROOT sets the mount root)"
                     if parsed.scheme == "pvc" else "")
             raise FileNotFoundError(f"{uri}: {path} does not exist{hint}")
+        if parsed.scheme == "pvc":
+            filesystems.check_claim_containment(parsed)
         yield str(path)
         return
     if parsed.scheme == "hf":

@@ -13,20 +13,26 @@ PART_SUFFIX = ".kuberl-part"
 RESERVED_TOP_LEVEL = {COMPLETE_NAME, JOURNAL_NAME}
 
 
-def checked_relpath(rel: str, uri: str) -> str:
-    """Return ``rel`` (a '/'-separated key below the source root) if it stays inside DST.
+def relpath_problem(rel: str) -> str | None:
+    """Why ``rel`` (a '/'-separated path below a destination) may not be written, or None.
 
-    Refuses absolute keys, '.', '..' and empty segments, backslashes and NUL bytes, and the names
+    Refuses absolute paths, '.', '..' and empty segments, backslashes and NUL bytes, and the names
     stage() reserves for its own bookkeeping.
     """
     parts = rel.split("/")
     if (not rel or rel.startswith("/") or "\\" in rel or "\x00" in rel
             or any(p in ("", ".", "..") for p in parts)):
-        raise StorageError(f"{uri}: refusing object key {rel!r}: it would write outside the "
-                           f"destination (absolute, '.', '..' or empty path segments)")
-    if parts[0] in RESERVED_TOP_LEVEL or parts[-1].endswith(PART_SUFFIX):
-        raise StorageError(f"{uri}: refusing object key {rel!r}: the name is reserved for "
-                           f"kuberl's staging bookkeeping")
+        return "it would write outside the destination (absolute, '.', '..' or empty path segments)"
+    if parts[0] in RESERVED_TOP_LEVEL or any(p.endswith(PART_SUFFIX) for p in parts):
+        return "the name is reserved for kuberl's staging bookkeeping"
+    return None
+
+
+def checked_relpath(rel: str, uri: str) -> str:
+    """Return ``rel`` (a key below the source root) if it stays inside DST (see relpath_problem)."""
+    problem = relpath_problem(rel)
+    if problem:
+        raise StorageError(f"{uri}: refusing object key {rel!r}: {problem}")
     return rel
 
 

@@ -3,10 +3,10 @@ directory, verified, atomically and resumably (what ``kuberl stage`` and resolve
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shutil
-import tarfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,8 +16,11 @@ from typing import TextIO
 from kuberl.storage import filesystems
 from kuberl.storage.download import (RemoteFile, already_verified, download_files, list_source,
                                      remove_stale_parts)
-from kuberl.storage.errors import StorageError, explain
-from kuberl.storage.manifest import COMPLETE_NAME, FileRecord, Journal, write_complete
+from kuberl.storage.errors import StorageError, explain, with_retries
+from kuberl.storage.archive import extract_tar
+from kuberl.storage.checkpoints import COMPLETE
+from kuberl.storage.manifest import (COMPLETE_NAME, FileRecord, Journal, load_verified, withdraw_complete,
+                                     write_complete)
 from kuberl.storage.progress import Progress, log
 from kuberl.storage.safepath import PART_SUFFIX
 from kuberl.uri import ParsedURI, parse
@@ -52,7 +55,9 @@ def stage(src: str, dst: str | Path, *, workers: int = DEFAULT_WORKERS,
     ``checksum``: "auto" verifies MD5s where the store gives them (S3 single-part ETags, GCS
     md5Hash) besides sizes; "size" verifies sizes only. ``exclude``: glob patterns on the
     relative path. A source naming one ``.tar`` object is unpacked into ``dst`` (uncompressed
-    tar only, with ``filter='data'``) unless ``unpack_tar`` is False.
+    tar only, through kuberl.storage.archive) unless ``unpack_tar`` is False. A source holding a
+    checkpoint manifest (a top-level ``COMPLETE``) must hold exactly the files it lists. A
+    ``pvc://`` source may not link out of its claim.
     """
     if checksum not in ("auto", "size"):
         raise ValueError(f"checksum must be 'auto' or 'size', not {checksum!r}")
@@ -66,18 +71,21 @@ def stage(src: str, dst: str | Path, *, workers: int = DEFAULT_WORKERS,
         return _stage_hf(parsed, dst, workers, exclude, started)
     fs = filesystems.filesystem(parsed, max_connections=workers)
     root = filesystems.root_path(parsed)
+    if parsed.scheme == "pvc":
+        filesystems.check_claim_containment(parsed)
     files = list_source(fs, parsed, root, src, exclude=exclude, attempts=attempts)
+    check_against_manifest(fs, files, src, exclude, attempts)
     options = dict(workers=workers, part_size=part_size, verify_md5=checksum == "auto",
                    attempts=attempts)
     if unpack_tar and len(files) == 1 and files[0].key == root and root.endswith(".tar"):
         return _stage_tar(fs, files[0], src, dst, options, started, progress_stream, log_interval_s)
 
     remove_stale_parts(dst)
-    todo, kept = already_verified(files, dst)
+    todo, kept = already_verified(files, dst, load_verified(dst, src))
     records = list(kept)
     progress = Progress(f"stage {src}", sum(f.size for f in todo), len(todo),
                         stream=progress_stream, interval_s=log_interval_s)
-    journal = Journal(dst)
+    journal = Journal(dst, src, kept)
     try:
         def verified(record: FileRecord) -> None:
             journal.append(record)
@@ -97,10 +105,41 @@ def stage(src: str, dst: str | Path, *, workers: int = DEFAULT_WORKERS,
     return result
 
 
+def check_against_manifest(fs, files: list[RemoteFile], src: str, exclude: Sequence[str],
+                           attempts: int) -> None:
+    """A source whose top level holds ``COMPLETE`` is a checkpoint: refuse it unless the listing
+    holds exactly the files COMPLETE lists, at the listed sizes (and store identities, where
+    COMPLETE records them). A step rewritten or torn after it was vouched for is never staged."""
+    marker = next((f for f in files if f.rel == COMPLETE), None)
+    if marker is None:
+        return
+    try:
+        listed = {item["path"]: item for item in json.loads(
+            with_retries(lambda: fs.cat_file(marker.key), uri=src, attempts=attempts))["files"]}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StorageError(f"{src}: its {COMPLETE} manifest is unreadable ({exc}); the checkpoint "
+                           f"cannot be verified; restore another step") from exc
+    listed = {rel: item for rel, item in listed.items()
+              if not any(fnmatch.fnmatch(rel, pattern) for pattern in exclude)}
+    present = {f.rel: f for f in files if f.rel != COMPLETE}
+    problems = [f"{rel} is missing" for rel in sorted(set(listed) - set(present))]
+    problems += [f"{rel} is not in it" for rel in sorted(set(present) - set(listed))]
+    for rel in sorted(set(listed) & set(present)):
+        want, got = listed[rel], present[rel]
+        if want.get("size") != got.size or (want.get("etag") and want["etag"] != got.etag):
+            problems.append(f"{rel} has {got.size} bytes (etag {got.etag}), {COMPLETE} lists "
+                            f"{want.get('size')} (etag {want.get('etag')})")
+    if problems:
+        raise StorageError(f"{src}: the files do not match its {COMPLETE} manifest ("
+                           f"{'; '.join(problems[:5])}{'; ...' if len(problems) > 5 else ''}): the "
+                           f"checkpoint was changed after it was completed; restore another step")
+
+
 def _stage_tar(fs, archive: RemoteFile, src: str, dst: Path, options: dict, started: float,
                progress_stream: TextIO | None, log_interval_s: float) -> StageResult:
     """Download one ``.tar`` object and unpack it into ``dst``; nothing reaches ``dst`` unless
-    every member passes tarfile's 'data' filter (no absolute names, no '..', no links out)."""
+    every member passes kuberl.storage.archive's checks (regular files and directories only,
+    names inside ``dst``, sizes within the archive)."""
     manifest = dst / COMPLETE_NAME
     try:
         previous = json.loads(manifest.read_text())
@@ -124,21 +163,9 @@ def _stage_tar(fs, archive: RemoteFile, src: str, dst: Path, options: dict, star
             progress.close()
         tree = work / "tree"
         tree.mkdir()
-        try:
-            with tarfile.open(work / "archive" / name, mode="r:") as tar:
-                tar.extractall(tree, filter="data")
-        except tarfile.FilterError as exc:
-            raise StorageError(f"{src}: refusing archive member {exc.tarinfo.name!r}: {exc}; "
-                               f"nothing was unpacked into {dst}") from exc
-        except tarfile.ReadError as exc:
-            raise StorageError(f"{src}: not an uncompressed tar archive ({exc}); checkpoints are "
-                               f"stored as plain .tar (gzip costs minutes on multi-GB "
-                               f"checkpoints)") from exc
-        records = []
-        for path in sorted(tree.rglob("*")):
-            if path.is_file() and not path.is_symlink():
-                rel = path.relative_to(tree).as_posix()
-                records.append(FileRecord(rel, path.stat().st_size, archive.etag, "tar"))
+        members = extract_tar(work / "archive" / name, tree, src)
+        records = [FileRecord(m.path, m.size, archive.etag, "tar") for m in members]
+        withdraw_complete(dst)
         for entry in tree.iterdir():
             target = dst / entry.name
             if target.is_dir() and not target.is_symlink():
@@ -165,6 +192,7 @@ def _stage_hf(parsed: ParsedURI, dst: Path, workers: int, exclude: Sequence[str]
     HF_ENDPOINT), which verifies and resumes its own downloads."""
     from huggingface_hub import snapshot_download
 
+    withdraw_complete(dst)
     try:
         snapshot_download(parsed.bucket, revision=parsed.revision, local_dir=dst,
                           max_workers=workers, ignore_patterns=list(exclude) or None)

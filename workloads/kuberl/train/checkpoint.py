@@ -27,6 +27,7 @@ from kuberl import metrics as pod_metrics
 from kuberl.api.types import CheckpointSpec
 from kuberl.storage import (checkpoint_dirname, checkpoint_to_restore, commit_checkpoint, latest_checkpoint,
                             prune_checkpoints, stage)
+from kuberl.storage.archive import extract_tar
 from kuberl.storage.errors import StorageError
 
 log = logging.getLogger("kuberl.train")
@@ -113,8 +114,7 @@ class CheckpointManager:
         try:
             stage(source, local)
             if (local / TRAINER_TAR).exists():
-                with tarfile.open(local / TRAINER_TAR) as tar:
-                    tar.extractall(local, filter="data")
+                extract_tar(local / TRAINER_TAR, local, source)
             load_trainer(str(local / TRAINER_DIR))
             state = json.loads((local / DRIVER_STATE).read_text())
         finally:

@@ -4,7 +4,12 @@ The trainer writes weights (safetensors), config, generation config and tokenize
 (``TrainerGroup.export_hf``). A ``trust_remote_code`` model also needs its own Python files: every
 module an ``auto_map`` (in config.json or tokenizer_config.json) points at, and the files those
 import. They are copied from the source model; one that is missing fails the export loudly, since
-an export without it cannot be reloaded.
+an export without it cannot be reloaded. Without ``trustRemoteCode`` no Python file is copied (the
+stager never fetched them): the model loaded with transformers' own classes, and so does the export.
+
+An ``auto_map`` entry names a module (``module.Class``), never a path: a module name that is not a
+Python identifier (``../x``, ``a/b``) is refused, so the copy cannot read or write outside the
+model and export directories.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 
 log = logging.getLogger("kuberl.train")
 _RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.([A-Za-z_][A-Za-z0-9_]*)\s+import", re.MULTILINE)
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class ExportError(RuntimeError):
@@ -33,11 +39,14 @@ def _auto_map_modules(directory: Path) -> set[str]:
         auto_map = json.loads(path.read_text()).get("auto_map", {})
         for value in auto_map.values():
             for ref in value if isinstance(value, list) else [value]:
-                if ref:
-                    # "module.Class" or "org/repo--module.Class" (code in another repo: not ours to copy).
-                    if "--" in ref:
-                        continue
-                    modules.add(ref.rsplit(".", 1)[0])
+                # "module.Class", or "org/repo--module.Class" (code in another repo: not ours to copy).
+                if ref is None or (isinstance(ref, str) and "--" in ref):
+                    continue
+                module, _, cls = str(ref).rpartition(".")
+                if not (_MODULE.match(module) and _MODULE.match(cls)):
+                    raise ExportError(f"{path}: auto_map entry {ref!r} is not module.Class with a Python "
+                                      f"module name; refusing to copy remote code for it")
+                modules.add(module)
     return modules
 
 
@@ -68,7 +77,7 @@ def export_hugging_face(trainer: Any, model_path: str | Path, spec: Any, out_dir
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     trainer.export_hf(str(out_dir))
-    copied = copy_remote_code(Path(model_path), out_dir)
+    copied = copy_remote_code(Path(model_path), out_dir) if spec.model.trust_remote_code else []
     if copied:
         log.info("export: copied remote code %s", ", ".join(copied))
     if spec.checkpoint.uri is None:
