@@ -151,9 +151,8 @@ class TrainerGroup:
         self.world_size = topo.world_size
         use_gpu = topo.gpus_per_rank > 0
         resources = ({topo.trainer_resource: 1} if topo.trainer_resource in ray.cluster_resources() else {})
-        actor_cls = ray.remote(TrainerActor).options(
-            num_cpus=num_cpus_per_worker, num_gpus=topo.gpus_per_rank, resources=resources,
-            concurrency_groups={CONCURRENCY_GROUP: 1})
+        actor_cls = ray.remote(concurrency_groups={CONCURRENCY_GROUP: 1})(TrainerActor).options(
+            num_cpus=num_cpus_per_worker, num_gpus=topo.gpus_per_rank, resources=resources)
         self.actors = [actor_cls.remote() for _ in range(self.world_size)]
         master_addr, master_port = ray.get(self.actors[0].rendezvous.remote())
         config = TrainerConfig.from_spec(spec, on_gpu=use_gpu)
