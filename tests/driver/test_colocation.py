@@ -90,3 +90,17 @@ def test_engines_on_their_own_gpus_never_sleep(tmp_path):
     calls = Calls()
     _driver(tmp_path, colocate=False, calls=calls).train_step(0)
     assert calls == ["generate", "log_probs", "train_step", "sync"]
+
+
+def test_colocated_engines_get_the_gpus_of_trainer_ranks_on_one_node():
+    """GPU accounting: colocated engines ask Ray for no GPU; each takes tensorParallelSize GPUs
+    that trainer ranks of one node hold, so every GPU is counted once."""
+    import pytest
+
+    from kuberl.rollout.pool import colocated_devices
+
+    slots = [("n1", "0"), ("n2", "0"), ("n1", "1"), ("n2", "1"), ("n1", "2"), ("n1", "3")]
+    assert colocated_devices(slots, 2) == [("n1", ["0", "1"]), ("n1", ["2", "3"]), ("n2", ["0", "1"])]
+    assert colocated_devices(slots, 1)[:2] == [("n1", ["0"]), ("n1", ["1"])]
+    with pytest.raises(ValueError, match="not a multiple"):
+        colocated_devices(slots[:3], 2)
