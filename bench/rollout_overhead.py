@@ -71,7 +71,9 @@ async def http_completions(url: str, prompts, args) -> tuple[float, int]:
 def ours(model: str, prompts, args) -> list[tuple[str, float, int]]:
     import ray
 
+    from kuberl import plan as plans
     from kuberl.api import RLTrainingJobSpec
+    from kuberl.api.types import RLTrainingJob
     from kuberl.rollout.pool import EnginePool
 
     spec = RLTrainingJobSpec.model_validate({
@@ -80,7 +82,8 @@ def ours(model: str, prompts, args) -> list[tuple[str, float, int]]:
         "rollout": {"gpusPerReplica": 0, "maxPromptLength": 32, "maxResponseLength": args.max_model_len - 32},
         "numa": {"policy": "none"}})
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    pool = EnginePool(spec, model, "tiny", num_engines=1)
+    plan = plans.local(RLTrainingJob(metadata={"name": "bench"}, spec=spec), tempfile.gettempdir())
+    pool = EnginePool(spec, plan, "tiny", num_engines=1)
     try:
         pool.generate(prompts[:2], args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0)  # warm-up
         start = time.perf_counter()

@@ -1,7 +1,7 @@
 """Weight-sync transport throughput: kuberl's nccl method vs a raw NCCL broadcast of the same bytes.
 
 Two processes, one GPU each. The sender plays trainer rank 0 and runs kuberl's real sending code
-(``kuberl.sync.trainer_side.broadcast_weights``: per-bucket gather, cast, pack, broadcast over a
+(``kuberl.sync.nccl.broadcast_weights``: per-bucket gather, cast, pack, broadcast over a
 ``SyncGroup``). The receiver runs kuberl's real receiving code (``WeightReceiver.kuberl_receive``:
 receive each bucket, cut it into views, ``reload_weights``) inside a stand-in for a vLLM worker,
 whose model copies each tensor into a parameter of the same name and shape: vLLM and Ray are not
@@ -102,7 +102,7 @@ def worker(rank: int, args, results) -> None:
     import torch
     import torch.distributed as dist
 
-    from kuberl.sync import trainer_side
+    from kuberl.sync import nccl
     from kuberl.sync.buckets import ParamMeta, dtype_name
     from kuberl.sync.group import SyncGroup, open_store
     from kuberl.sync.receiver import WeightReceiver
@@ -127,7 +127,7 @@ def worker(rank: int, args, results) -> None:
     dist.broadcast(port, 0)
     key = "bench"
     if rank == 0:
-        trainer_side._GROUPS[key] = SyncGroup("127.0.0.1", int(port), 0, 2, "nccl", store=store)
+        nccl._GROUPS[key] = SyncGroup("127.0.0.1", int(port), 0, 2, "nccl", store=store)
         trainer = TrainerStandIn(model, device)
     else:
         receiver = WeightReceiver()
@@ -138,7 +138,7 @@ def worker(rank: int, args, results) -> None:
 
     def ours() -> None:
         if rank == 0:
-            trainer_side.broadcast_weights(trainer, key, metas, bucket_bytes)
+            nccl.broadcast_weights(trainer, key, metas, bucket_bytes)
         else:
             receiver.kuberl_receive(metas, bucket_bytes)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from kuberl import plan as plans
 from kuberl.api import types as t
 from kuberl.render import CONFIG_FILE, ray_job_name, render
 from kuberl_operator import observed as o
@@ -71,6 +72,15 @@ def accepted_spec(job: t.RLTrainingJob, observed: o.Observed) -> dict[str, Any] 
     return (yaml.safe_load(cm["data"][CONFIG_FILE]) or {}).get("spec")
 
 
+def plan_in_effect(job: t.RLTrainingJob, observed: o.Observed, attempt: int) -> plans.RunPlan:
+    """The run plan the current attempt runs with: the one in its ConfigMap, else the one the
+    spec in effect gives."""
+    data = (observed.config_map or {}).get("data") or {}
+    if plans.PLAN_FILE in data:
+        return plans.read(data[plans.PLAN_FILE])
+    return plans.for_cluster(effective_job(job, observed), attempt)
+
+
 def _spec_dict(job: t.RLTrainingJob) -> dict[str, Any]:
     return job.spec.model_dump(mode="json", by_alias=True, exclude_none=True)
 
@@ -103,15 +113,14 @@ def effective_job(job: t.RLTrainingJob, observed: o.Observed) -> t.RLTrainingJob
 def desired_objects(job: t.RLTrainingJob, observed: o.Observed, attempt: int | None = None) -> list[dict[str, Any]]:
     """The objects of ``attempt`` (default: the current one), rendered from the spec in effect.
 
-    A restart resumes from the workload's last complete checkpoint; the RayJob is created
-    suspended when the job is.
+    A restart resumes from the newest complete checkpoint under spec.checkpoint.uri, decided by
+    the spec alone (``kuberl.plan.resume``): status.lastCheckpoint is the workload's to write and
+    never steers what the next attempt mounts or restores. The RayJob is created suspended when
+    the job is.
     """
     if attempt is None:
         attempt = current_attempt(job, observed)
-    resume_from = None
-    if attempt > 0 and job.status and job.status.last_checkpoint:
-        resume_from = job.status.last_checkpoint.uri
-    objects = render(effective_job(job, observed), resume_from=resume_from, attempt=attempt)
+    objects = render(effective_job(job, observed), attempt=attempt)
     if job.spec.suspend:
         objects[-1]["spec"]["suspend"] = True
     return objects
@@ -144,8 +153,9 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
     old_status = job.status.model_dump(mode="json", by_alias=True, exclude_none=True) if job.status else {}
     old_phase = old_status.get("phase")
 
+    run_plan = plan_in_effect(job, observed, attempt)
     if old_phase in FINISHED_PHASES:
-        plan = Plan(status=compute_status(job, ray_job, None, [], now, attempt=attempt))
+        plan = Plan(status=compute_status(job, run_plan, ray_job, None, [], now, attempt=attempt))
         ttl = job.spec.ttl_seconds_after_finished
         finished = job.status.completion_time if job.status else None
         if ttl is not None and finished is not None:
@@ -196,7 +206,7 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
 
     cluster = observed.ray_cluster if ray_job is not None else None
     pods = observed.pods if ray_job is not None else []
-    status = compute_status(job, ray_job, cluster, pods, now, attempt=status_attempt, refused=refused,
+    status = compute_status(job, run_plan, ray_job, cluster, pods, now, attempt=status_attempt, refused=refused,
                             restart_in=restart_in)
     plan = Plan(status=status, apply=plan_apply, suspend=suspend, delete_ray_jobs=delete, events=events,
                 requeue_after=requeue)

@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from kuberl.api import types as t
+from kuberl.plan import RunPlan
 from kuberl.render import ray_job_name
 from kuberl_operator import observed as o
 
@@ -93,13 +94,13 @@ def _merge_conditions(old: list[dict[str, Any]], new: list[dict[str, str]], now:
     return out
 
 
-def compute_status(job: t.RLTrainingJob, ray_job: dict[str, Any] | None, ray_cluster: dict[str, Any] | None,
-                   pods: list[dict[str, Any]], now: datetime, *, attempt: int = 0,
+def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] | None,
+                   ray_cluster: dict[str, Any] | None, pods: list[dict[str, Any]], now: datetime, *, attempt: int = 0,
                    refused: list[str] = (), restart_in: float | None = None) -> dict[str, Any]:
     """The operator's part of ``job.status`` (a merge patch), from the current attempt's RayJob,
     its RayCluster and pods.
 
-    ``attempt`` is the attempt being run (status.restarts after a restart was decided);
+    ``plan`` is the attempt's run plan (how many pods make the cluster); ``attempt`` is the attempt being run (status.restarts after a restart was decided);
     ``refused`` names spec fields whose change was refused; ``restart_in`` is set while the failed
     attempt waits for its backoff before the next one is created.
     """
@@ -109,7 +110,7 @@ def compute_status(job: t.RLTrainingJob, ray_job: dict[str, Any] | None, ray_clu
     conditions: list[dict[str, str]] = []
     rj_status = (ray_job or {}).get("status") or {}
     cluster_state = ((ray_cluster or {}).get("status") or {}).get("state") or ""
-    expected_pods = 1 + spec.trainer.replicas + (0 if spec.rollout.colocate else spec.rollout.replicas)
+    expected_pods = plan.topology.expected_pods
     running_pods = _running_pods(pods)
     message = ""
 

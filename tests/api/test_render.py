@@ -12,6 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kuberl import plan as plans
 from kuberl.api.validate import validate_manifest
 from kuberl.cli import main as kuberl_main
 from kuberl.render import render, render_manifest
@@ -136,13 +137,30 @@ def test_owner_references_when_the_job_has_a_uid():
 def test_model_credentials_reach_only_init_containers():
     manifest = yaml.safe_load((REPO / "examples" / "grpo-colocated.yaml").read_text())
     pods = _pods(_by_kind(render_manifest(manifest))["RayJob"])
-    for pod in pods.values():
+    for role, pod in pods.items():
         stage = {c["name"]: c for c in pod["initContainers"]}
         assert stage["stage-model"]["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
         for container in pod["containers"]:
             secrets = [e["secretRef"]["name"] for e in container.get("envFrom", [])]
-            assert "hf-token" not in secrets
-            assert secrets == ["gcs-creds"]  # checkpoint credentials: the trainer uploads checkpoints
+            # Checkpoint credentials on the trainers alone: each rank uploads its own shards.
+            assert secrets == (["gcs-creds"] if role == "trainer" else []), role
+
+
+def test_secrets_reach_only_the_containers_that_use_them():
+    """Separate Secrets for model, data and checkpoints: each lands only where it is used."""
+    manifest = yaml.safe_load((REPO / "examples" / "grpo-qwen3-moe.yaml").read_text())
+    manifest["spec"]["model"]["credentials"] = {"name": "model-creds"}
+    manifest["spec"]["data"]["credentials"] = {"name": "data-creds"}
+    manifest["spec"]["checkpoint"]["credentials"] = {"name": "ckpt-creds"}
+    seen = {}
+    for role, pod in _pods(_by_kind(render_manifest(manifest))["RayJob"]).items():
+        for c in pod["initContainers"] + pod["containers"]:
+            seen[(role, c["name"])] = [e["secretRef"]["name"] for e in c.get("envFrom", [])]
+    assert seen == {
+        ("head", "stage-model"): ["model-creds"], ("head", "stage-data"): ["data-creds"], ("head", "ray-head"): [],
+        ("trainer", "stage-model"): ["model-creds"], ("trainer", "ray-trainer"): ["ckpt-creds"],
+        ("rollout", "stage-model"): ["model-creds"], ("rollout", "ray-rollout"): [],
+    }
 
 
 def test_gpu_requests_groups_and_guaranteed_qos_for_numa():
@@ -157,9 +175,6 @@ def test_gpu_requests_groups_and_guaranteed_qos_for_numa():
         res = container["resources"]
         assert res["limits"]["nvidia.com/gpu"] == 8
         assert res["requests"] == res["limits"], "Guaranteed QoS needs requests == limits"
-        assert {"name": "KUBERL_NUMA_POLICY", "value": "gpu-local"} in container["env"]
-        assert {"name": "KUBERL_CHECKPOINT_PATH", "value": "/kuberl/checkpoint"} in container["env"] \
-            or group["groupName"] == "rollout"
 
 
 def test_colocated_job_has_no_rollout_group():
@@ -170,28 +185,88 @@ def test_colocated_job_has_no_rollout_group():
     assert json.loads(group["rayStartParams"]["resources"]) == {"kuberl_trainer": 8, "kuberl_rollout": 8}
 
 
-def test_checkpoint_is_staged_only_when_resuming():
+def test_checkpoints_are_never_staged_ranks_restore_from_the_uri():
     manifest = yaml.safe_load((REPO / "examples" / "grpo-qwen3-moe.yaml").read_text())
-    job = validate_manifest(manifest)
-    trainer = _pods(_by_kind(render(job))["RayJob"])["trainer"]
-    stage = {c["name"]: c["args"] for c in trainer["initContainers"]}
-    assert stage["stage-checkpoint"] == ["stage", "--checkpoint", "s3://my-checkpoints/grpo-qwen3-moe",
-                                         "/kuberl/checkpoint"]
-    manifest["spec"]["checkpoint"]["resume"] = "never"
-    trainer = _pods(_by_kind(render_manifest(manifest))["RayJob"])["trainer"]
-    assert "stage-checkpoint" not in {c["name"] for c in trainer["initContainers"]}
+    for pod in _pods(_by_kind(render_manifest(manifest))["RayJob"]).values():
+        assert {c["name"] for c in pod["initContainers"]} <= {"stage-model", "stage-data"}
+        assert not any("checkpoint" in m["mountPath"] for c in pod["containers"] for m in c["volumeMounts"])
 
 
-def test_restart_attempt_resumes_from_the_given_checkpoint():
+@pytest.mark.parametrize("resume,attempt,expected", [
+    ("auto", 0, plans.Resume(newest_under="s3://my-checkpoints/grpo-qwen3-moe")),
+    ("never", 0, plans.Resume()),
+    ("never", 1, plans.Resume(newest_under="s3://my-checkpoints/grpo-qwen3-moe")),
+    ("s3://old/run/step-000000100", 0, plans.Resume(explicit="s3://old/run/step-000000100")),
+    ("s3://old/run/step-000000100", 2, plans.Resume(newest_under="s3://my-checkpoints/grpo-qwen3-moe",
+                                                    explicit="s3://old/run/step-000000100")),
+])
+def test_what_an_attempt_restores_comes_from_the_spec(resume, attempt, expected):
     manifest = yaml.safe_load((REPO / "examples" / "grpo-qwen3-moe.yaml").read_text())
-    ckpt = "s3://my-checkpoints/grpo-qwen3-moe/step-000000100"
-    objs = _by_kind(render_manifest(manifest, resume_from=ckpt, attempt=2))
-    assert objs["RayJob"]["metadata"]["name"] == "grpo-qwen3-moe-r2"
+    manifest["spec"]["checkpoint"]["resume"] = resume
+    objs = _by_kind(render_manifest(manifest, attempt=attempt))
+    assert objs["RayJob"]["metadata"]["name"] == ("grpo-qwen3-moe" if attempt == 0 else f"grpo-qwen3-moe-r{attempt}")
     config = yaml.safe_load(objs["ConfigMap"]["data"]["job.yaml"])
-    assert config["metadata"]["annotations"] == {"kuberl.dev/attempt": "2", "kuberl.dev/resume-from": ckpt}
-    trainer = _pods(objs["RayJob"])["trainer"]
-    stage = {c["name"]: c["args"] for c in trainer["initContainers"]}
-    assert stage["stage-checkpoint"][2] == ckpt
+    assert config["metadata"]["annotations"] == {"kuberl.dev/attempt": str(attempt)}
+    plan = plans.read(objs["ConfigMap"]["data"]["plan.yaml"])
+    assert plan.attempt == attempt and plan.resume == expected
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_config_map_holds_the_run_plan_the_ray_job_was_rendered_from(example):
+    objs = _by_kind(_rendered(example))
+    plan = plans.read(objs["ConfigMap"]["data"]["plan.yaml"])
+    assert plan == plans.for_cluster(validate_manifest(yaml.safe_load(example.read_text())))
+    cluster = objs["RayJob"]["spec"]["rayClusterSpec"]
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    assert 1 + sum(g["replicas"] for g in groups.values()) == plan.topology.expected_pods
+    for name, group in groups.items():
+        assert json.loads(group["rayStartParams"]["resources"]) == plan.topology.group_resources[name]
+    # GPUs: what the trainer ranks and engines ask Ray for is exactly what the pods have.
+    trainer_gpus = int(groups["trainer"]["rayStartParams"]["num-gpus"])
+    engine_gpus = plan.topology.engines * plan.topology.gpus_per_engine
+    assert plan.topology.ranks_per_pod * plan.topology.gpus_per_rank == trainer_gpus
+    if plan.topology.colocated:
+        assert engine_gpus == 0 and "rollout" not in groups
+    else:
+        assert engine_gpus == plan.topology.rollout_pods * int(groups["rollout"]["rayStartParams"]["num-gpus"])
+
+
+def _source_files() -> str:
+    files = [*(REPO / "workloads" / "kuberl").rglob("*.py"), *(REPO / "operator").rglob("*.py")]
+    return "\n".join(p.read_text() for p in files if p.name != "render.py")
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_every_container_env_var_is_read_by_some_code(example):
+    """An environment variable the renderer sets and nothing reads is a promise nobody keeps."""
+    source = _source_files()
+    for pod in _pods(_by_kind(_rendered(example))["RayJob"]).values():
+        for container in pod["initContainers"] + pod["containers"]:
+            for var in container.get("env", []):
+                assert f'"{var["name"]}"' in source, f"{container['name']} sets {var['name']}, which no code reads"
+
+
+def test_model_revision_is_taken_by_the_stager_and_never_passed_for_a_staged_path():
+    """spec.model.revision used to break every job at trainer start: the trainer passed it along
+    with the staged directory, which resolve() refuses."""
+    manifest = minimal_manifest("rev")
+    manifest["spec"]["model"] = {"uri": "hf://Qwen/Qwen2.5-0.5B", "revision": "v1.1"}
+    plan = plans.read(_by_kind(render_manifest(manifest))["ConfigMap"]["data"]["plan.yaml"])
+    assert plan.paths.model == "/kuberl/model" and plan.paths.model_revision is None
+    local = plans.local(validate_manifest(manifest), Path("/tmp/w"))
+    assert local.paths.model == "hf://Qwen/Qwen2.5-0.5B" and local.paths.model_revision == "v1.1"
+
+
+def test_pvc_checkpoint_root_is_writable_on_trainers_only():
+    manifest = minimal_manifest("pvc-ckpt")
+    manifest["spec"]["model"]["uri"] = "pvc://shared/models/tiny"
+    manifest["spec"]["checkpoint"] = {"uri": "pvc://shared/ckpt"}
+    for role, pod in _pods(_by_kind(render_manifest(manifest))["RayJob"]).items():
+        (container,) = pod["containers"]
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "pvc-shared")
+        volume = next(v for v in pod["volumes"] if v["name"] == "pvc-shared")
+        assert mount["readOnly"] == (role != "trainer")
+        assert volume["persistentVolumeClaim"]["readOnly"] == (role != "trainer")
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
@@ -206,17 +281,15 @@ def test_pvc_and_local_models_are_mounted_not_staged():
     manifest = minimal_manifest("pvc-job")
     manifest["spec"]["model"]["uri"] = "pvc://models/qwen/7b"
     manifest["spec"]["data"]["uri"] = "/opt/data/train.jsonl"
-    pods = _pods(_by_kind(render_manifest(manifest))["RayJob"])
-    for role, pod in pods.items():
+    objs = _by_kind(render_manifest(manifest))
+    plan = plans.read(objs["ConfigMap"]["data"]["plan.yaml"])
+    assert plan.paths.model == "/mnt/pvc/models/qwen/7b" and plan.paths.data == "/opt/data/train.jsonl"
+    for role, pod in _pods(objs["RayJob"]).items():
         assert not any(c["name"] == "stage-model" for c in pod["initContainers"])
         (container,) = pod["containers"]
-        env = {e["name"]: e.get("value") for e in container["env"]}
-        assert env["KUBERL_MODEL_PATH"] == "/mnt/pvc/models/qwen/7b"
         assert {"name": "pvc-models", "mountPath": "/mnt/pvc/models", "readOnly": True} in container["volumeMounts"]
         assert {"name": "pvc-models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} \
             in pod["volumes"]
-        if role == "head":
-            assert env["KUBERL_DATA_PATH"] == "/opt/data/train.jsonl"
 
 
 def test_head_stages_the_model_without_weights_and_revision_travels_in_the_uri():

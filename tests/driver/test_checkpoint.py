@@ -1,103 +1,136 @@
-"""CheckpointManager against the real S3 server (moto on loopback): background upload, atomic
-commit, pruning, restore (dcp and tar formats), and a SIGKILL during upload leaving `latest` on
-the previous complete checkpoint.
+"""Per-rank checkpoints against the real S3 server (moto on loopback) with a real trainer rank
+(``tests.driver.one_rank``: gloo, FSDP2, AdamW): background write and upload while training goes
+on, commit, keep-N pruning, restore straight from the URI (dcp and tar), what a run restores, a
+re-written step withdrawn before anything of it is uploaded, and a SIGKILL during upload leaving
+`latest` on the previous complete checkpoint."""
 
-The trainer's part of a checkpoint is written by a callable; here it writes plain files, since
-what is under test is the packaging, upload and commit, not the trainer's state (tests/train and
-the end-to-end driver test cover that)."""
-
-import json
 import os
 import signal
 import subprocess
 import sys
+import tarfile
 import textwrap
 import time
 
 import pytest
 
-from kuberl.api.types import CheckpointSpec
-from kuberl.storage import StorageError, commit_checkpoint, latest_checkpoint
-from kuberl.train.checkpoint import CheckpointManager
+from kuberl.plan import Checkpoints, Resume
+from kuberl.storage import (StorageError, checkpoint_to_restore, commit_checkpoint, latest_checkpoint,
+                            withdraw_from)
+from kuberl.train import checkpoint as ckpt
+from kuberl.train.checkpoint import RankCheckpointer, find_checkpoint
+from tests.driver.one_rank import OneRank
 
 
-def _writer(payload: bytes):
-    def save_trainer(path):
-        os.makedirs(path)
-        with open(os.path.join(path, "__0_0.distcp"), "wb") as f:
-            f.write(payload)
-        with open(os.path.join(path, ".metadata"), "w") as f:
-            f.write("meta")
-    return save_trainer
+def _spec(root, fmt="dcp", keep=2) -> Checkpoints:
+    return Checkpoints(root=root, interval_steps=1, keep=keep, format=fmt, export_hugging_face=False, export_uri=None)
+
+
+@pytest.fixture(scope="module")
+def rank():
+    return OneRank()
 
 
 @pytest.mark.parametrize("fmt", ["dcp", "tar"])
-def test_save_upload_prune_restore(s3, tmp_path, fmt):
+def test_background_save_commit_prune_restore(s3, tmp_path, rank, fmt, monkeypatch):
     fs, bucket = s3
-    root = f"s3://{bucket}/run"
-    committed = []
-    spec = CheckpointSpec(uri=root, interval_steps=2, keep=2, format=fmt)
-    manager = CheckpointManager(spec, tmp_path / "work", on_committed=lambda uri, step: committed.append((uri, step)))
-    for step in (2, 4, 6):
-        assert manager.due(step) and not manager.due(step + 1)
-        manager.save(step, _writer(f"state-{step}".encode()), {"weight_version": step})
-    manager.close()
-    assert [s for _, s in committed] == [2, 4, 6]
-    assert latest_checkpoint(root) == f"{root}/step-000000006"
-    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/run")) == ["latest", "step-000000004",
-                                                                          "step-000000006"]
-    assert not list((tmp_path / "work").glob("step-*")), "local copies are removed once committed"
+    root = f"s3://{bucket}/run-{fmt}"
+    blocks = []
+    real_copy = tarfile.copyfileobj
 
-    loaded = {}
+    def spy(src, dst, length=None, exception=OSError, bufsize=None):
+        blocks.append(bufsize)
+        return real_copy(src, dst, length, exception, bufsize)
 
-    def load_trainer(path):
-        loaded["payload"] = open(os.path.join(path, "__0_0.distcp"), "rb").read()
+    monkeypatch.setattr(tarfile, "copyfileobj", spy)
+    saver = RankCheckpointer(rank, _spec(root, fmt), tmp_path / "scratch")
+    rank.before_update = saver.fence
+    try:
+        saved = {}
+        for step in (2, 4, 6):
+            saved[step] = rank.values()
+            saver.save(step)
+            rank.step()  # training goes on; its optimizer step waits for the write (fence)
+            files = saver.uploaded(step)
+            assert saver.commit(step, files, {"weight_version": step}) == f"{root}/step-{step:09d}"
+        assert latest_checkpoint(root) == f"{root}/step-000000006"
+        fs.invalidate_cache()
+        assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/run-{fmt}")) == [
+            "latest", "step-000000004", "step-000000006"]
+        names = {p.rsplit("/", 1)[-1] for p in fs.find(f"{bucket}/run-{fmt}/step-000000006")}
+        if fmt == "tar":
+            assert names == {"trainer-rank0.tar", "driver.json", "COMPLETE"}
+            assert blocks and all(b == ckpt.TAR_COPY_BUFSIZE for b in blocks)
+        else:
+            assert {".metadata", "__0_0.distcp", "trainer_rank0_of1.pt", "driver.json", "COMPLETE"} <= names
+        assert not list((tmp_path / "scratch").rglob("*")), "local copies are removed once uploaded"
 
-    restorer = CheckpointManager(spec, tmp_path / "work2")
-    source = restorer.source(None)
-    state = restorer.restore(source, load_trainer)
-    assert state == {"weight_version": 6, "step": 6}
-    assert loaded["payload"] == b"state-6"
+        assert rank.values() != saved[6]
+        state = saver.load(f"{root}/step-000000006")
+        assert state == {"weight_version": 6, "step": 6}
+        assert rank.values() == saved[6]  # the state when save was called, not after the step
+    finally:
+        rank.before_update = lambda: None
+        saver.close()
 
 
-def test_resume_choices(s3, tmp_path):
+def test_what_a_run_restores(s3, tmp_path):
     fs, bucket = s3
-    root = f"s3://{bucket}/run"
-    assert CheckpointManager(CheckpointSpec(uri=root), tmp_path).source(None) is None  # nothing yet
-    assert CheckpointManager(CheckpointSpec(uri=root, resume="never"), tmp_path).source(None) is None
-    other = f"s3://{bucket}/other"
+    root, other = f"s3://{bucket}/resume-root", f"s3://{bucket}/resume-other"
+    assert find_checkpoint(Resume(newest_under=root)) is None  # a first run
+    assert find_checkpoint(Resume()) is None
     with pytest.raises(StorageError, match="no complete checkpoint there"):
-        CheckpointManager(CheckpointSpec(uri=root), tmp_path).source(other)
+        find_checkpoint(Resume(explicit=other))
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "driver.json").write_text("{}")
     explicit = commit_checkpoint(tmp_path / "state", other, 10)
-    assert CheckpointManager(CheckpointSpec(uri=root), tmp_path).source(explicit) == explicit
-    assert CheckpointManager(CheckpointSpec(uri=root), tmp_path).source(other) == explicit
-    fs.pipe_file(f"{bucket}/other/step-000000020/driver.json", b"{}")  # an upload that died
+    assert find_checkpoint(Resume(explicit=explicit)) == explicit
+    assert find_checkpoint(Resume(explicit=other)) == explicit
+    # A restart: the job's own newest checkpoint first, the spec's explicit one until there is one.
+    assert find_checkpoint(Resume(newest_under=root, explicit=explicit)) == explicit
+    mine = commit_checkpoint(tmp_path / "state", root, 20)
+    assert find_checkpoint(Resume(newest_under=root, explicit=explicit)) == mine
+    fs.pipe_file(f"{bucket}/resume-other/step-000000030/driver.json", b"{}")  # an upload that died
     with pytest.raises(StorageError, match="no COMPLETE marker"):
-        CheckpointManager(CheckpointSpec(uri=root), tmp_path).source(f"{other}/step-000000020")
-    assert CheckpointManager(CheckpointSpec(uri=root), tmp_path).source(root) is None  # the root means auto
-    assert CheckpointManager(CheckpointSpec(), tmp_path).source(None) is None
+        find_checkpoint(Resume(explicit=f"{other}/step-000000030"))
+
+
+def test_a_rewritten_step_is_withdrawn_before_it_is_written(s3, tmp_path):
+    """Resuming from step 10 of a root that also has step 20, then writing step 20 again: the old
+    step 20 loses its COMPLETE before any new object lands, so a kill mid-upload leaves nothing
+    that `latest`, restore or `stage --checkpoint` accept as step 20."""
+    fs, bucket = s3
+    root = f"s3://{bucket}/rewrite"
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "shard").write_bytes(b"old" * 100)
+    commit_checkpoint(tmp_path / "old", root, 10)
+    commit_checkpoint(tmp_path / "old", root, 20)
+    assert withdraw_from(root, 20) == [f"{root}/step-000000020"]
+    fs.invalidate_cache()
+    assert not fs.exists(f"{bucket}/rewrite/step-000000020")
+    # The new attempt uploads part of step 20, then dies.
+    fs.pipe_file(f"{bucket}/rewrite/step-000000020/shard", b"new")
+    assert latest_checkpoint(root) == f"{root}/step-000000010"
+    assert checkpoint_to_restore(root) == f"{root}/step-000000010"
+    with pytest.raises(StorageError, match="no COMPLETE marker"):
+        checkpoint_to_restore(f"{root}/step-000000020")
 
 
 KILLED_UPLOAD = textwrap.dedent("""
-    import os, sys, time
-    from kuberl.api.types import CheckpointSpec
-    from kuberl.train.checkpoint import CheckpointManager
+    import sys, time
+    from kuberl.plan import Checkpoints
+    from kuberl.train.checkpoint import RankCheckpointer
+    from tests.driver.one_rank import OneRank
 
-    def writer(size):
-        def save(path):
-            os.makedirs(path)
-            for i in range(8):
-                with open(os.path.join(path, f"__{i}_0.distcp"), "wb") as f:
-                    f.write(os.urandom(size // 8))
-        return save
-
-    manager = CheckpointManager(CheckpointSpec(uri=sys.argv[1], interval_steps=1), sys.argv[2])
-    manager.save(1, writer(1 << 20), {"weight_version": 1})
-    manager.wait()
+    spec = Checkpoints(root=sys.argv[1], interval_steps=1, keep=3, format="dcp", export_hugging_face=False,
+                       export_uri=None)
+    small = OneRank(layers=1, dim=32)
+    saver = RankCheckpointer(small, spec, sys.argv[2])
+    saver.save(1)
+    saver.commit(1, saver.uploaded(1), {"weight_version": 1})
     print("first committed", flush=True)
-    manager.save(2, writer(256 << 20), {"weight_version": 2})
+    saver.worker = OneRank(layers=16, dim=1024)  # ~200 MB of state: an upload that takes a while
+    saver.save(2)
     print("second uploading", flush=True)
     time.sleep(600)
 """)
@@ -105,25 +138,21 @@ KILLED_UPLOAD = textwrap.dedent("""
 
 def test_kill_during_upload_leaves_latest_on_the_previous_checkpoint(s3, s3_env, tmp_path):
     fs, bucket = s3
-    root = f"s3://{bucket}/run"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_UPLOAD, root, str(tmp_path / "work")],
+    root = f"s3://{bucket}/killed"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_UPLOAD, root, str(tmp_path / "scratch")],
                             stdout=subprocess.PIPE, text=True, env={**os.environ, **s3_env})
     try:
         assert proc.stdout.readline().strip() == "first committed"
         assert proc.stdout.readline().strip() == "second uploading"
         # Wait until part of the second checkpoint is on the server, then kill mid-upload.
-        deadline = time.monotonic() + 60
-        while not fs.glob(f"{bucket}/run/step-000000002/**") and time.monotonic() < deadline:
+        deadline = time.monotonic() + 120
+        while not fs.glob(f"{bucket}/killed/step-000000002/**") and time.monotonic() < deadline:
             fs.invalidate_cache()
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait(timeout=30)
     fs.invalidate_cache()
-    assert not fs.exists(f"{bucket}/run/step-000000002/COMPLETE")
-    assert fs.cat_file(f"{bucket}/run/latest") == b"step-000000001"
-    assert latest_checkpoint(root) == f"{root}/step-000000001"
-    # A new run resumes from the complete one.
-    state = CheckpointManager(CheckpointSpec(uri=root), tmp_path / "again").restore(
-        latest_checkpoint(root), lambda path: None)
-    assert json.dumps(state) == json.dumps({"weight_version": 1, "step": 1})
+    assert not fs.exists(f"{bucket}/killed/step-000000002/COMPLETE")
+    assert fs.cat_file(f"{bucket}/killed/latest") == b"step-000000001"
+    assert find_checkpoint(Resume(newest_under=root)) == f"{root}/step-000000001"

@@ -5,6 +5,11 @@ checkpoints going to moto's S3 server on loopback.
 Run A goes 20 steps uninterrupted. Run B is SIGKILLed (with its whole process group: Ray, the
 engine, the trainer ranks) after its step-10 checkpoint is on S3; run C resumes from S3 and must
 reproduce A's steps 11-20 bit for bit.
+
+No filesystem is shared as it would be on one machine: each trainer rank writes its checkpoint
+shards and temp files below its own scratch directory (``<work-dir>/scratch/rank-<r>``, what each
+pod's own emptyDir is in a cluster), uploads them itself, and restores straight from S3; run C
+starts from a fresh work dir, so nothing local of run B can be read.
 """
 
 from __future__ import annotations
@@ -103,6 +108,22 @@ def run_a(s3_root, tmp_path_factory):
     proc = start_driver(write_config(tmp, f"s3://{bucket}/run-a"), tmp / "a", env)
     wait(proc, tmp / "a")
     return tmp, metrics(tmp / "a")
+
+
+def test_each_rank_uploads_its_own_shards(run_a, s3_root):
+    fs, bucket, _ = s3_root
+    tmp, _ = run_a
+    fs.invalidate_cache()
+    complete = json.loads(fs.cat_file(f"{bucket}/run-a/step-000000020/COMPLETE"))
+    assert {f["path"] for f in complete["files"]} == {
+        "driver.json", "trainer/.metadata", "trainer/__0_0.distcp", "trainer/__1_0.distcp",
+        "trainer/trainer_rank0_of2.pt", "trainer/trainer_rank1_of2.pt"}
+    # keep: 2, and every rank's scratch is empty of checkpoint files once they are uploaded.
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/run-a")) == ["latest", "step-000000010",
+                                                                               "step-000000020"]
+    scratch = tmp / "a" / "work" / "scratch"
+    assert sorted(p.name for p in scratch.iterdir()) == ["rank-0", "rank-1"]
+    assert not [p for p in scratch.rglob("*") if p.is_file() and "tmp" not in p.parts]
 
 
 def test_mean_reward_rises(run_a):

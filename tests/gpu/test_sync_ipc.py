@@ -24,7 +24,7 @@ def _receive(handles, metas, bucket_bytes, results):
 def test_ipc_handles_load_the_trainers_weights_in_another_process():
     import torch.multiprocessing as mp
 
-    from kuberl.sync import trainer_side
+    from kuberl.sync import ipc
     from kuberl.sync.buckets import plan_buckets
     from kuberl.sync.params import param_metas
 
@@ -39,9 +39,9 @@ def test_ipc_handles_load_the_trainers_weights_in_another_process():
     assert len(buckets) > 1
     handles, kept = [], []
     for i, bucket in enumerate(buckets):
-        uuid, handle = trainer_side.share_bucket(Worker(model), f"k{i}", bucket)
+        uuid, handle = ipc.share_bucket(Worker(model), f"k{i}", bucket)
         handles.append({uuid: handle})
-        kept.append(trainer_side._SHARED[f"k{i}"])  # the engine holds handles to these
+        kept.append(ipc._SHARED[f"k{i}"])  # the engine holds handles to these
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     proc = ctx.Process(target=_receive, args=(handles, metas, bucket_bytes, results))
@@ -52,7 +52,7 @@ def test_ipc_handles_load_the_trainers_weights_in_another_process():
     assert loaded == sum(m.nbytes for m in metas)
     for name, want in model.named_parameters():
         assert torch.equal(want.to(torch.bfloat16).cpu().float(), torch.from_numpy(got[name])), name
-    trainer_side.release_shared(None, "k")
+    ipc.release_shared(None, "k")
 
 
 def test_ipc_refuses_cpu_tensors():

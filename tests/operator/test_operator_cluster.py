@@ -11,7 +11,8 @@ import kubernetes
 import pytest
 import yaml
 
-from kuberl.render import CONFIG_FILE, RESUME_ANNOTATION
+from kuberl import plan as plans
+from kuberl.render import CONFIG_FILE
 from tests.cluster.helpers import apply, get_json, wait_for
 from tests.operator.conftest import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, example, get
 
@@ -90,8 +91,9 @@ def test_failed_rayjob_restarts_from_checkpoint_then_fails_after_backoff_limit(k
     apply(k8s_cluster, example(backoffLimit=1, checkpoint={"uri": "s3://kuberl-ckpt/tiny"}), "-n", namespace)
     wait_phase(k8s_cluster, namespace, "Running")
     # The workload reports a checkpoint through its own per-job identity (patch on its status only).
+    # Whatever it writes there must not steer the restart: a claim of someone else's to mount.
     workload = k8s_cluster.client_for_service_account(namespace, f"{JOB}-workload")
-    checkpoint = {"uri": "s3://kuberl-ckpt/tiny/step-00000010", "step": 10, "time": "2026-01-01T00:00:00Z"}
+    checkpoint = {"uri": "pvc://someone-elses-claim/secrets", "step": 10, "time": "2026-01-01T00:00:00Z"}
     kubernetes.client.CustomObjectsApi(workload).patch_namespaced_custom_object_status(
         "kuberl.dev", "v1alpha1", namespace, "rltrainingjobs", JOB, {"status": {"lastCheckpoint": checkpoint}})
 
@@ -101,7 +103,11 @@ def test_failed_rayjob_restarts_from_checkpoint_then_fails_after_backoff_limit(k
     assert status["lastCheckpoint"]["uri"] == checkpoint["uri"], "the operator must never overwrite the workload's fields"
     config = get_json(k8s_cluster, "configmap", f"{JOB}-config", "-n", namespace)
     annotations = yaml.safe_load(config["data"][CONFIG_FILE])["metadata"]["annotations"]
-    assert annotations[RESUME_ANNOTATION] == checkpoint["uri"] and annotations["kuberl.dev/attempt"] == "1"
+    assert annotations["kuberl.dev/attempt"] == "1"
+    # The restart resumes from the newest checkpoint under spec.checkpoint.uri, decided from the spec.
+    assert plans.read(config["data"][plans.PLAN_FILE]).resume == plans.Resume(newest_under="s3://kuberl-ckpt/tiny")
+    restarted = get(k8s_cluster, "rayjob", f"{JOB}-r1", "-n", namespace)
+    assert "someone-elses-claim" not in json.dumps(restarted)
     wait_for("the failed RayJob to be deleted", lambda: get(k8s_cluster, "rayjob", JOB, "-n", namespace) is None, k8s_cluster)
 
     fail_ray_job(k8s_cluster, namespace, f"{JOB}-r1")

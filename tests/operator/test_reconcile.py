@@ -6,12 +6,14 @@ from datetime import timedelta
 
 import yaml
 
-from kuberl.render import ATTEMPT_ANNOTATION, CONFIG_FILE, RESUME_ANNOTATION, render
+from kuberl import plan as plans
+from kuberl.render import ATTEMPT_ANNOTATION, CONFIG_FILE, render
 from kuberl_operator.reconcile import Settings, backoff_seconds, current_attempt, desired_objects, next_action
 from tests.operator.factories import NOW, job, observed, ray_job
 
 SETTINGS = Settings(restart_backoff_seconds=10, restart_backoff_max_seconds=60)
 CHECKPOINT = {"lastCheckpoint": {"uri": "s3://bucket/ckpt/step-10", "step": 10, "time": "2026-01-01T11:50:00Z"}}
+ROOT = "s3://bucket/ckpt"
 
 
 def config_map_of(j):
@@ -35,7 +37,7 @@ def test_existing_rayjob_is_adopted_not_recreated():
 def test_failure_waits_for_backoff_then_restarts_from_last_checkpoint():
     failed = ray_job("tiny", deployment="Failed", job_status="FAILED", reason="AppFailed",
                      endTime="2026-01-01T11:59:55Z")
-    j = job(status=CHECKPOINT)
+    j = job(status=CHECKPOINT, checkpoint={"uri": ROOT})
     waiting = next_action(j, observed(failed), NOW, SETTINGS)
     assert waiting.apply == [] and waiting.requeue_after == 5.0
     assert waiting.status["phase"] == "Starting"
@@ -45,7 +47,9 @@ def test_failure_waits_for_backoff_then_restarts_from_last_checkpoint():
     rayjob = plan.apply[-1]
     assert rayjob["metadata"]["name"] == "tiny-r1" and rayjob["metadata"]["annotations"][ATTEMPT_ANNOTATION] == "1"
     config = yaml.safe_load(plan.apply[3]["data"][CONFIG_FILE])
-    assert config["metadata"]["annotations"][RESUME_ANNOTATION] == "s3://bucket/ckpt/step-10"
+    assert config["metadata"]["annotations"][ATTEMPT_ANNOTATION] == "1"
+    run_plan = plans.read(plan.apply[3]["data"][plans.PLAN_FILE])
+    assert run_plan.attempt == 1 and run_plan.resume == plans.Resume(newest_under=ROOT)
     assert plan.delete_ray_jobs == ["tiny"]
     assert any(e.reason == "Restarting" for e in plan.events)
 
@@ -108,3 +112,18 @@ def test_ttl_deletes_the_job_after_it_finished():
     assert not early.delete_job and early.requeue_after == 60.0
     late = next_action(job(ttlSecondsAfterFinished=30, status=done), observed(), NOW, SETTINGS)
     assert late.delete_job
+
+
+def test_status_written_by_the_workload_never_steers_the_restart():
+    """status.lastCheckpoint is patched by the job's own ServiceAccount: a restart must not mount,
+    stage or restore what it names, and a value nothing can parse must not wedge restarts."""
+    failed = ray_job("tiny", deployment="Failed", job_status="FAILED", reason="AppFailed",
+                     endTime="2026-01-01T11:00:00Z")
+    for uri in ("pvc://someone-elses-claim/secrets", "s3://other-bucket/x/step-000000001", "not a uri at all"):
+        hostile = {"lastCheckpoint": {"uri": uri, "step": 1, "time": "2026-01-01T10:00:00Z"}}
+        plan = next_action(job(status=hostile, checkpoint={"uri": ROOT}), observed(failed), NOW, SETTINGS)
+        assert [o["kind"] for o in plan.apply][-1] == "RayJob", uri
+        rendered = yaml.safe_dump(plan.apply)
+        assert "someone-elses-claim" not in rendered and "other-bucket" not in rendered and "not a uri" not in rendered
+        run_plan = plans.read(plan.apply[3]["data"][plans.PLAN_FILE])
+        assert run_plan.resume == plans.Resume(newest_under=ROOT)

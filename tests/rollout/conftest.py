@@ -32,11 +32,19 @@ def spec(tiny_model):
     return make_spec(tiny_model)
 
 
+def local_plan(spec, work_dir="/tmp/kuberl-rollout-tests"):
+    """The run plan `kuberl train` makes outside Kubernetes."""
+    from kuberl import plan as plans
+    from kuberl.api.types import RLTrainingJob
+
+    return plans.local(RLTrainingJob(metadata={"name": "rollout-test"}, spec=spec), work_dir)
+
+
 @pytest.fixture(scope="session")
 def pool(ray_session, spec, tiny_model):
     from kuberl.rollout.pool import EnginePool
 
-    engines = EnginePool(spec, tiny_model, "kuberl-tiny")
+    engines = EnginePool(spec, local_plan(spec), "kuberl-tiny")
     yield engines
     engines.shutdown()
 

@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from kuberl.samples import Sample, TrainBatch
-from tests.rollout.conftest import make_spec
+from tests.rollout.conftest import local_plan, make_spec
 from tests.rollout.test_weight_sync import SEQUENCE, engine_logprobs, mean_abs_delta
 
 
@@ -28,7 +28,8 @@ def test_fsdp2_trainer_group_sync_matches_engine(pool, tiny_model):
     from kuberl.train.group import TrainerGroup
 
     spec = make_spec(tiny_model, method="nccl")
-    group = TrainerGroup(spec, tiny_model, world_size=2, num_cpus_per_worker=0)
+    spec = spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"processes_per_replica": 2})})
+    group = TrainerGroup(spec, local_plan(spec), num_cpus_per_worker=0)
     try:
         sync = make_weight_sync(spec, group, pool)
         sync.setup()

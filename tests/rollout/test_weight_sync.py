@@ -58,12 +58,12 @@ def test_sync_makes_engine_logprobs_equal_the_trainers(pool, trainer, tiny_model
 
 def test_nccl_sync_moves_all_parameter_bytes(pool, trainer, tiny_model):
     from kuberl.sync import make_weight_sync
-    from kuberl.sync import trainer_side
+    from kuberl.sync.base import metas as wire_metas
 
     sync = make_weight_sync(make_spec(tiny_model, method="nccl"), trainer, pool)
     sync.setup()
     try:
-        metas = trainer.execute(trainer_side.metas, "float32")[0]
+        metas = trainer.execute(wire_metas, "float32")[0]
         stats = sync.sync(max(pool.weight_versions()) + 1)
         assert stats.bytes == sum(meta.nbytes for meta in metas)
     finally:

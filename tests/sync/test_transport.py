@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from kuberl.sync import trainer_side
+from kuberl.sync import nccl
 from kuberl.sync.buckets import ParamMeta, pack, plan_buckets, unpack
 from kuberl.sync.group import SyncGroup, open_store
 from kuberl.sync.params import hf_name, param_metas
@@ -113,12 +113,12 @@ def test_broadcast_from_trainer_rank0_loads_every_tensor_under_its_own_name(buck
     threads = [threading.Thread(target=receive, args=(r + 1, m)) for r, m in enumerate(receivers)]
     for t in threads:
         t.start()
-    trainer_side._STORES[key] = store
-    trainer_side.join_sync_group(Worker(sender_model), key, "127.0.0.1", store.port, 3, "gloo")
-    sent = trainer_side.broadcast_weights(Worker(sender_model), key, metas, bucket_bytes)
+    nccl._STORES[key] = store
+    nccl.join_sync_group(Worker(sender_model), key, "127.0.0.1", store.port, 3, "gloo")
+    sent = nccl.broadcast_weights(Worker(sender_model), key, metas, bucket_bytes)
     for t in threads:
         t.join(timeout=60)
-    trainer_side.leave_sync_group(Worker(sender_model), key)
+    nccl.leave_sync_group(Worker(sender_model), key)
     total = sum(m.nbytes for m in metas)
     assert sent == total and results == {1: total, 2: total}
     for model in receivers:

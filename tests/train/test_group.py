@@ -1,18 +1,19 @@
 """Two gloo ranks in real Ray actors (``TrainerGroup``) train tiny dense and Qwen3-MoE models with
-non-reentrant activation checkpointing; non-finite steps, state save/load and HF export."""
+non-reentrant activation checkpointing; non-finite steps, per-rank checkpoints to S3 (saved in the
+background while training goes on) and restore, HF export to the checkpoint URI."""
 
 from __future__ import annotations
 
 import hashlib
 import math
 import random
-import shutil
 
 import pytest
 import ray
 import torch
 
-from kuberl.api.types import RLTrainingJobSpec
+from kuberl import plan as plans
+from kuberl.api.types import RLTrainingJob, RLTrainingJobSpec
 from kuberl.samples import Sample, TrainBatch
 from kuberl.tiny import make_model
 from kuberl.train.group import TrainerGroup
@@ -38,13 +39,19 @@ def moe_s3_uri(moe_path, s3_endpoint):
     return "s3://models/qwen3-moe-tiny"
 
 
-def _spec(model_path, **algorithm) -> RLTrainingJobSpec:
+def _spec(model_path, checkpoint=None, **algorithm) -> RLTrainingJobSpec:
     return RLTrainingJobSpec.model_validate({
         "model": {"uri": str(model_path)}, "data": {"uri": "/data/prompts.jsonl"}, "image": "kuberl:test",
         "trainer": {"gpusPerReplica": 0, "processesPerReplica": 2, "gradientCheckpointing": True},
         "algorithm": {"microBatchSize": 2, "learningRate": 1e-3, "weightDecay": 0.1, "warmupSteps": 2,
                       **algorithm},
+        "checkpoint": checkpoint or {},
     })
+
+
+def _group(spec: RLTrainingJobSpec, work_dir) -> TrainerGroup:
+    job = RLTrainingJob(metadata={"name": "group-test"}, spec=spec)
+    return TrainerGroup(spec, plans.local(job, work_dir))
 
 
 def _batch(n=8, seed=0) -> TrainBatch:
@@ -98,8 +105,8 @@ def moe_path(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("moe") / "model", moe=True, seed=2)
 
 
-def test_dense_trains_with_training_numerics_and_skips_non_finite(dense_path):
-    group = TrainerGroup(_spec(dense_path, klCoef=0.05), str(dense_path))
+def test_dense_trains_with_training_numerics_and_skips_non_finite(dense_path, tmp_path):
+    group = _group(_spec(dense_path, klCoef=0.05), tmp_path)
     try:
         batch = _batch()
         batch.old_logprobs = group.log_probs(batch)
@@ -132,8 +139,8 @@ def test_dense_trains_with_training_numerics_and_skips_non_finite(dense_path):
         group.shutdown()
 
 
-def test_moe_ranks_route_differently_and_train_without_hang(moe_path):
-    group = TrainerGroup(_spec(moe_path, klCoef=0.0), str(moe_path))
+def test_moe_ranks_route_differently_and_train_without_hang(moe_path, tmp_path):
+    group = _group(_spec(moe_path, klCoef=0.0), tmp_path)
     try:
         # Rank 1 gets only token 5 repeated: it routes everything to the same two experts, while
         # rank 0's varied tokens spread over others. Some expert gets no token on rank 1.
@@ -153,31 +160,66 @@ def test_moe_ranks_route_differently_and_train_without_hang(moe_path):
         group.shutdown()
 
 
-def test_save_load_resumes_bit_exactly_and_exports_hf(moe_s3_uri, tmp_path):
-    # Model from S3: every rank stages it through kuberl.storage.resolve on its own.
-    group = TrainerGroup(_spec(moe_s3_uri, klCoef=0.0), moe_s3_uri)
+def _s3fs(endpoint):
+    import s3fs
+
+    return s3fs.S3FileSystem(endpoint_url=endpoint, key=S3_ENV["AWS_ACCESS_KEY_ID"],
+                             secret=S3_ENV["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True)
+
+
+def test_per_rank_checkpoint_saves_in_background_resumes_bit_exactly_and_exports_hf(
+        moe_s3_uri, s3_endpoint, tmp_path):
+    fs = _s3fs(s3_endpoint)
+    fs.mkdir("group-ckpt")
+    root = "s3://group-ckpt/run"
+    # Model from S3: every rank stages it through kuberl.storage.resolve on its own; each rank
+    # writes its shards below its own scratch directory and uploads them itself.
+    group = _group(_spec(moe_s3_uri, {"uri": root, "format": "dcp"}, klCoef=0.0), tmp_path)
     try:
         batch = _batch(seed=5)
         group.train_step(batch)
-        group.save_state(str(tmp_path / "ckpt"))
         saved = group.execute(_state_digest)
+        group.save_checkpoint(3)
         rng_at_save = group.execute(lambda w: torch.rand(2).tolist())
+        # Training goes on at once; the next optimizer step waits until the state is written.
         run1 = [group.train_step(batch) for _ in range(2)]
-        group.load_state(str(tmp_path / "ckpt"))
-        assert group.execute(_state_digest) == saved
+        files = group.checkpoint_uploaded(3)
+        assert {f["path"] for f in files} >= {"trainer/.metadata", "trainer/__0_0.distcp", "trainer/__1_0.distcp",
+                                               "trainer/trainer_rank0_of2.pt", "trainer/trainer_rank1_of2.pt"}
+        uri = group.commit_checkpoint(3, files, {"weight_version": 7})
+        assert uri == f"{root}/step-000000003"
+        assert fs.cat_file("group-ckpt/run/latest") == b"step-000000003"
+        # Each rank's scratch holds nothing of the checkpoint once it is uploaded.
+        assert not [p for p in (tmp_path / "scratch").rglob("*.distcp")]
+
+        assert group.find_checkpoint(plans.Resume(newest_under=root)) == uri
+        state = group.load_checkpoint(uri)
+        assert state == {"weight_version": 7, "step": 3}
+        assert group.execute(_state_digest) == saved  # the state at save, not after the 2 steps
         # Every RNG is restored: the draws after the resume are those after the save.
         assert group.execute(lambda w: torch.rand(2).tolist()) == rng_at_save
         run2 = [group.train_step(batch) for _ in range(2)]
         assert run1 == run2
+
+        # Writing step 3 again withdraws the old one first: killed mid-way, no COMPLETE vouches
+        # for a mix of old and new shards.
+        fs.invalidate_cache()
+        group.save_checkpoint(3)
+        fs.invalidate_cache()
+        assert not fs.exists("group-ckpt/run/step-000000003/COMPLETE")
+        group.commit_checkpoint(3, group.checkpoint_uploaded(3), {"weight_version": 9})
+        fs.invalidate_cache()
+        assert fs.exists("group-ckpt/run/step-000000003/COMPLETE")
+
         # A checkpoint lacking this world size's per-rank files is refused with the reason.
-        shutil.copytree(tmp_path / "ckpt", tmp_path / "partial")
-        (tmp_path / "partial" / "trainer_rank1_of2.pt").unlink()
+        fs.rm("group-ckpt/run/step-000000003/trainer/trainer_rank1_of2.pt")
         with pytest.raises(ray.exceptions.RayTaskError, match="same world size"):
-            group.load_state(str(tmp_path / "partial"))
-        group.export_hf(str(tmp_path / "hf"))
+            group.load_checkpoint(uri)
+        assert group.export_hugging_face(f"{root}/hf") == f"{root}/hf"
         logprobs = group.log_probs(batch)
     finally:
         group.shutdown()
+    fs.get("group-ckpt/run/hf/", str(tmp_path / "hf"), recursive=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)

@@ -3,16 +3,18 @@
 One job becomes:
 - a KubeRay ``ray.io/v1`` RayJob whose ``rayClusterSpec`` has a head group (runs the driver), a
   ``trainer`` worker group and, unless colocated, a ``rollout`` worker group;
-- a ConfigMap with the resolved job (the same RLTrainingJob type, every default filled in), mounted
-  at /etc/kuberl in every Ray container;
+- a ConfigMap with the resolved job (the same RLTrainingJob type, every default filled in) and
+  the run plan (``kuberl.plan``: topology, in-pod paths, checkpoint targets, resume source),
+  mounted at /etc/kuberl in every Ray container;
 - a ServiceAccount, Role and RoleBinding whose only right is ``patch`` on this one job's status,
   so the workload can report progress and nothing else.
 - a NetworkPolicy that lets only the job's own pods, KubeRay, the operators and Prometheus reach
   the Ray head (``render_network_policy``).
 
-Models, data and checkpoints reach each pod through init containers that run ``kuberl stage`` into a
-pod-local volume; credentials Secrets are given to those init containers only (checkpoint
-credentials also to the Ray containers, which upload checkpoints).
+Models and data reach each pod through init containers that run ``kuberl stage`` into a
+pod-local volume; their credentials Secrets are given to those init containers only. The
+checkpoint Secret goes to the trainer containers alone: each trainer rank uploads its own shards
+and restores straight from the checkpoint URI.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from kuberl import plan as plans
 from kuberl import uri as uris
 from kuberl.api import types as t
 from kuberl.api.validate import validate_manifest
@@ -29,21 +32,19 @@ from kuberl.api.validate import validate_manifest
 RAY_VERSION = "2.60.0"
 CONFIG_DIR = "/etc/kuberl"
 CONFIG_FILE = "job.yaml"
-STAGE_DIR = "/kuberl"
-PVC_ROOT = "/mnt/pvc"
-MODEL_DIR = f"{STAGE_DIR}/model"
-DATA_DIR = f"{STAGE_DIR}/data"
-CHECKPOINT_DIR = f"{STAGE_DIR}/checkpoint"
+STAGE_DIR = plans.STAGE_DIR
+PVC_ROOT = uris.PVC_ROOT
+MODEL_DIR = plans.MODEL_DIR
+DATA_DIR = plans.DATA_DIR
 METRICS_PORT = 9400
 RAY_METRICS_PORT = 8080
 RUN_AS_USER = 1000
 
-# Annotations on the rendered job config that tell the driver about this attempt.
+# Annotation on the RayJob and the rendered job config: the attempt they belong to.
 ATTEMPT_ANNOTATION = "kuberl.dev/attempt"
-RESUME_ANNOTATION = "kuberl.dev/resume-from"
 
-TRAINER_GROUP = "trainer"
-ROLLOUT_GROUP = "rollout"
+TRAINER_GROUP = plans.TRAINER_GROUP
+ROLLOUT_GROUP = plans.ROLLOUT_GROUP
 
 
 class RenderError(ValueError):
@@ -96,16 +97,6 @@ def _metadata(job: t.RLTrainingJob, name: str, role: str | None = None) -> dict[
 # --- where each input lives inside a pod --------------------------------------------------------
 
 
-def _local_path(uri: str, staged_dir: str) -> str:
-    """The path a container reads ``uri`` from: a staged copy, a mounted PVC, or the path itself."""
-    parsed = uris.parse(uri)
-    if parsed.scheme == "file":
-        return parsed.path
-    if parsed.scheme == "pvc":
-        return f"{PVC_ROOT}/{parsed.bucket}/{parsed.path}".rstrip("/")
-    return staged_dir
-
-
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 
 
@@ -118,28 +109,16 @@ def _model_source(model: t.ModelSpec) -> str:
 
 
 def _needs_stage(uri: str) -> bool:
-    return uris.parse(uri).scheme in ("s3", "gs", "hf")
+    return uris.parse(uri).info.staged
 
 
-def _pvc_claims(job: t.RLTrainingJob, uris_in_pod: list[str]) -> list[str]:
+def _pvc_claims(uris_in_pod: list[str]) -> list[str]:
     claims = []
     for u in uris_in_pod:
         parsed = uris.parse(u)
         if parsed.scheme == "pvc" and parsed.bucket not in claims:
             claims.append(parsed.bucket)
     return claims
-
-
-def resume_source(job: t.RLTrainingJob, resume_from: str | None) -> str | None:
-    """The checkpoint this attempt restores: the operator's choice, else what the spec asks."""
-    if resume_from:
-        return resume_from
-    resume = job.spec.checkpoint.resume
-    if resume == "never":
-        return None
-    if resume == "auto":
-        return job.spec.checkpoint.uri
-    return resume
 
 
 # --- containers ------------------------------------------------------------------------------
@@ -186,7 +165,7 @@ def _stage_container(job: t.RLTrainingJob, name: str, src: str, dst: str, secret
     }
 
 
-def _init_containers(job: t.RLTrainingJob, role: str, res: t.Resources, resume: str | None) -> list[dict[str, Any]]:
+def _init_containers(job: t.RLTrainingJob, role: str, res: t.Resources) -> list[dict[str, Any]]:
     spec = job.spec
     out = []
     if _needs_stage(spec.model.uri):
@@ -197,44 +176,47 @@ def _init_containers(job: t.RLTrainingJob, role: str, res: t.Resources, resume: 
                                     spec.model.credentials, res, extra))
     if role == "head" and _needs_stage(spec.data.uri):
         out.append(_stage_container(job, "stage-data", spec.data.uri, DATA_DIR, spec.data.credentials, res, []))
-    if role != "head" and resume and uris.parse(resume).scheme in ("s3", "gs"):
-        # "--checkpoint": SRC is a checkpoint root or one checkpoint; stage the newest complete one,
-        # or nothing on a first run.
-        out.append(_stage_container(job, "stage-checkpoint", resume, CHECKPOINT_DIR,
-                                    spec.checkpoint.credentials, res, ["--checkpoint"]))
     for c in out:
-        for m in _pvc_mounts(job, [spec.model.uri, spec.data.uri]):
+        for m in _pvc_mounts(_read_claims(job, "stager"), []):
             c["volumeMounts"].append(m)
     return out
 
 
-def _pvc_mounts(job: t.RLTrainingJob, uri_list: list[str]) -> list[dict[str, Any]]:
-    return [{"name": f"pvc-{claim}", "mountPath": f"{PVC_ROOT}/{claim}", "readOnly": True}
-            for claim in _pvc_claims(job, uri_list)]
-
-
-def _pod_env(job: t.RLTrainingJob, role: str, resume: str | None) -> list[dict[str, Any]]:
+def _read_claims(job: t.RLTrainingJob, role: str, plan: plans.RunPlan | None = None) -> list[str]:
+    """Claims a container of ``role`` reads: model and data (head, stagers), model (workers),
+    and a checkpoint the spec names to resume from (trainers)."""
     spec = job.spec
-    env = [
-        {"name": "KUBERL_CONFIG", "value": f"{CONFIG_DIR}/{CONFIG_FILE}"},
+    read = [spec.model.uri]
+    if role in ("head", "stager"):
+        read.append(spec.data.uri)
+    if role == TRAINER_GROUP and plan is not None and plan.resume.explicit:
+        read.append(plan.resume.explicit)
+    return _pvc_claims(read)
+
+
+def _write_claims(role: str, plan: plans.RunPlan) -> list[str]:
+    """The checkpoint root's claim, written by the trainer ranks only."""
+    return _pvc_claims([plan.checkpoints.root]) if role == TRAINER_GROUP and plan.checkpoints.root else []
+
+
+def _pvc_mounts(read: list[str], write: list[str]) -> list[dict[str, Any]]:
+    return [{"name": f"pvc-{claim}", "mountPath": f"{PVC_ROOT}/{claim}", "readOnly": claim not in write}
+            for claim in dict.fromkeys([*read, *write])]
+
+
+def _pod_env(job: t.RLTrainingJob, role: str) -> list[dict[str, Any]]:
+    # Each is read by kuberl code (tests/api/test_render.py checks): metrics labels and port,
+    # the pvc:// mount root. Everything else a process needs is in the run plan.
+    return [
         {"name": "KUBERL_JOB_NAME", "value": job.metadata.name},
         {"name": "KUBERL_NAMESPACE", "value": job.metadata.namespace},
         {"name": "KUBERL_ROLE", "value": role},
-        {"name": "KUBERL_MODEL_PATH", "value": _local_path(spec.model.uri, MODEL_DIR)},
-        {"name": "KUBERL_NUMA_POLICY", "value": spec.numa.policy},
         {"name": "KUBERL_METRICS_PORT", "value": str(METRICS_PORT)},
         {"name": "KUBERL_PVC_ROOT", "value": PVC_ROOT},
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
-    if role == "head":
-        env.append({"name": "KUBERL_DATA_PATH", "value": _local_path(spec.data.uri, DATA_DIR)})
-    elif resume:
-        env.append({"name": "KUBERL_CHECKPOINT_PATH",
-                    "value": CHECKPOINT_DIR if _needs_stage(resume) else _local_path(resume, CHECKPOINT_DIR)})
-    return env
 
 
-def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, resume: str | None) -> dict[str, Any]:
+def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, plan: plans.RunPlan) -> dict[str, Any]:
     spec = job.spec
     ports = [{"name": "kuberl-metrics", "containerPort": METRICS_PORT},
              {"name": "metrics", "containerPort": RAY_METRICS_PORT}]
@@ -247,29 +229,32 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
         {"name": "kuberl-config", "mountPath": CONFIG_DIR, "readOnly": True},
         # NCCL and Ray's object store need a large /dev/shm; the container default is 64 MiB.
         {"name": "dshm", "mountPath": "/dev/shm"},
-        *_pvc_mounts(job, [spec.model.uri, spec.data.uri, *( [resume] if resume else [])]),
+        *_pvc_mounts(_read_claims(job, role, plan), _write_claims(role, plan)),
     ]
     container = {
         "name": f"ray-{role}",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "env": _pod_env(job, role, resume),
-        "envFrom": _env_from(spec.checkpoint.credentials),
+        "env": _pod_env(job, role),
+        # Only the trainer ranks touch checkpoints (upload, commit, restore).
+        "envFrom": _env_from(spec.checkpoint.credentials if role == TRAINER_GROUP else None),
         "ports": ports,
         "resources": _resources(res, gpus),
         "securityContext": _security_context(),
         "volumeMounts": mounts,
     }
-    claims = _pvc_claims(job, [spec.model.uri, spec.data.uri, *([resume] if resume else [])])
+    writes = _write_claims(role, plan)
+    claims = dict.fromkeys([*_read_claims(job, "stager"), *_read_claims(job, role, plan), *writes])
     volumes = [
         {"name": "kuberl-stage", "emptyDir": {}},
         {"name": "kuberl-config", "configMap": {"name": config_map_name(job)}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-        *({"name": f"pvc-{c}", "persistentVolumeClaim": {"claimName": c, "readOnly": True}} for c in claims),
+        *({"name": f"pvc-{c}", "persistentVolumeClaim": {"claimName": c, "readOnly": c not in writes}}
+          for c in claims),
     ]
     pod_spec: dict[str, Any] = {
         "serviceAccountName": workload_identity_name(job),
-        "initContainers": _init_containers(job, role, res, resume),
+        "initContainers": _init_containers(job, role, res),
         "containers": [container],
         "volumes": volumes,
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "fsGroup": RUN_AS_USER},
@@ -292,7 +277,7 @@ def _cpu_count(quantity: str) -> str:
 
 
 def _worker_group(job: t.RLTrainingJob, group: str, replicas: int, res: t.Resources, gpus: int,
-                  slots: int, resume: str | None) -> dict[str, Any]:
+                  plan: plans.RunPlan) -> dict[str, Any]:
     return {
         "groupName": group,
         "replicas": replicas,
@@ -301,34 +286,24 @@ def _worker_group(job: t.RLTrainingJob, group: str, replicas: int, res: t.Resour
         "rayStartParams": {
             "num-cpus": _cpu_count(res.cpu),
             "num-gpus": str(gpus),
-            # A custom resource per process slot places trainer and engine actors on their own group.
-            "resources": json.dumps({f"kuberl_{group}": slots}),
+            # A custom resource per process slot places trainer and engine actors on their own
+            # group (colocated: engine slots on the trainer pods); counts from the run plan.
+            "resources": json.dumps(plan.topology.group_resources[group]),
             "metrics-export-port": str(RAY_METRICS_PORT),
         },
-        "template": _pod_template(job, group, res, gpus, resume),
+        "template": _pod_template(job, group, res, gpus, plan),
     }
 
 
-def render_ray_job(job: t.RLTrainingJob, *, resume_from: str | None = None, attempt: int = 0) -> dict[str, Any]:
+def render_ray_job(job: t.RLTrainingJob, *, attempt: int = 0) -> dict[str, Any]:
     spec = job.spec
-    resume = resume_source(job, resume_from)
-    trainer_slots = spec.trainer.gpus_per_replica or spec.trainer.processes_per_replica
-    if spec.rollout.colocate:
-        # Engines share the trainer's GPUs: one engine slot per tensor-parallel group on each pod.
-        trainer_slots_engines = spec.trainer.gpus_per_replica // spec.rollout.tensor_parallel_size
-        trainer_group = _worker_group(job, TRAINER_GROUP, spec.trainer.replicas, spec.trainer.resources,
-                                      spec.trainer.gpus_per_replica, trainer_slots, resume)
-        trainer_group["rayStartParams"]["resources"] = json.dumps(
-            {f"kuberl_{TRAINER_GROUP}": trainer_slots, f"kuberl_{ROLLOUT_GROUP}": trainer_slots_engines})
-        groups = [trainer_group]
-    else:
-        engine_slots = max(1, spec.rollout.gpus_per_replica // spec.rollout.tensor_parallel_size)
-        groups = [
-            _worker_group(job, TRAINER_GROUP, spec.trainer.replicas, spec.trainer.resources,
-                          spec.trainer.gpus_per_replica, trainer_slots, resume),
-            _worker_group(job, ROLLOUT_GROUP, spec.rollout.replicas, spec.rollout.resources,
-                          spec.rollout.gpus_per_replica, engine_slots, None),
-        ]
+    plan = plans.for_cluster(job, attempt)
+    topo = plan.topology
+    groups = [_worker_group(job, TRAINER_GROUP, topo.trainer_pods, spec.trainer.resources,
+                            spec.trainer.gpus_per_replica, plan)]
+    if topo.rollout_pods:
+        groups.append(_worker_group(job, ROLLOUT_GROUP, topo.rollout_pods, spec.rollout.resources,
+                                    spec.rollout.gpus_per_replica, plan))
     head = {
         "rayStartParams": {
             "dashboard-host": "0.0.0.0",
@@ -337,7 +312,7 @@ def render_ray_job(job: t.RLTrainingJob, *, resume_from: str | None = None, atte
             "num-gpus": "0",
             "metrics-export-port": str(RAY_METRICS_PORT),
         },
-        "template": _pod_template(job, "head", spec.head.resources, 0, resume),
+        "template": _pod_template(job, "head", spec.head.resources, 0, plan),
     }
     metadata = _metadata(job, ray_job_name(job, attempt), "rayjob")
     metadata["annotations"] = {ATTEMPT_ANNOTATION: str(attempt)}
@@ -362,12 +337,9 @@ def render_ray_job(job: t.RLTrainingJob, *, resume_from: str | None = None, atte
     }
 
 
-def resolved_config(job: t.RLTrainingJob, *, resume_from: str | None = None, attempt: int = 0) -> dict[str, Any]:
+def resolved_config(job: t.RLTrainingJob, *, attempt: int = 0) -> dict[str, Any]:
     """The job as the driver reads it: the same type, every default filled in, status left out."""
     annotations = {ATTEMPT_ANNOTATION: str(attempt)}
-    resume = resume_source(job, resume_from)
-    if resume:
-        annotations[RESUME_ANNOTATION] = resume
     return {
         "apiVersion": t.API_VERSION,
         "kind": t.KIND,
@@ -376,13 +348,14 @@ def resolved_config(job: t.RLTrainingJob, *, resume_from: str | None = None, att
     }
 
 
-def render_config_map(job: t.RLTrainingJob, *, resume_from: str | None = None, attempt: int = 0) -> dict[str, Any]:
-    config = resolved_config(job, resume_from=resume_from, attempt=attempt)
+def render_config_map(job: t.RLTrainingJob, *, attempt: int = 0) -> dict[str, Any]:
+    config = resolved_config(job, attempt=attempt)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(job, config_map_name(job), "config"),
-        "data": {CONFIG_FILE: yaml.safe_dump(config, sort_keys=False)},
+        "data": {CONFIG_FILE: yaml.safe_dump(config, sort_keys=False),
+                 plans.PLAN_FILE: plans.for_cluster(job, attempt).dump()},
     }
 
 
@@ -411,13 +384,14 @@ def render_workload_identity(job: t.RLTrainingJob) -> list[dict[str, Any]]:
     ]
 
 
-def render(job: t.RLTrainingJob, *, resume_from: str | None = None, attempt: int = 0) -> list[dict[str, Any]]:
-    """Every object for ``job``, in the order to apply them (identity and config before the RayJob)."""
+def render(job: t.RLTrainingJob, *, attempt: int = 0) -> list[dict[str, Any]]:
+    """Every object for ``job``, in the order to apply them (identity and config before the RayJob).
+    What an attempt restores comes from the spec alone (``kuberl.plan.resume``)."""
     return [
         *render_workload_identity(job),
-        render_config_map(job, resume_from=resume_from, attempt=attempt),
+        render_config_map(job, attempt=attempt),
         render_network_policy(job, attempt),
-        render_ray_job(job, resume_from=resume_from, attempt=attempt),
+        render_ray_job(job, attempt=attempt),
     ]
 
 

@@ -17,8 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kuberl render", description=__doc__)
     parser.add_argument("-f", "--filename", required=True, help="RLTrainingJob manifest (YAML), or - for stdin")
     parser.add_argument("-n", "--namespace", help="namespace, when the manifest has none")
-    parser.add_argument("--resume-from", help="checkpoint URI this attempt restores (what the operator passes)")
-    parser.add_argument("--attempt", type=int, default=0, help="restart number (0 for the first run)")
+    parser.add_argument("--attempt", type=int, default=0, help="restart number (0 for the first run; "
+                        "restarts resume from the newest checkpoint under spec.checkpoint.uri)")
     args = parser.parse_args(argv)
     try:
         text = sys.stdin.read() if args.filename == "-" else Path(args.filename).read_text()
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(doc, dict) and args.namespace:
             doc.setdefault("metadata", {}).setdefault("namespace", args.namespace)
         try:
-            out += render_manifest(doc, resume_from=args.resume_from, attempt=args.attempt)
+            out += render_manifest(doc, attempt=args.attempt)
         except (ManifestError, RenderError, URIError) as exc:
             print(f"kuberl render: {args.filename}: {exc}", file=sys.stderr)
             return 1

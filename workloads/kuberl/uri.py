@@ -19,8 +19,8 @@ from typing import Literal
 
 Scheme = Literal["s3", "gs", "hf", "pvc", "file"]
 
-CLOUD_SCHEMES: tuple[str, ...] = ("s3", "gs")
-KNOWN_SCHEMES: tuple[str, ...] = ("s3://", "gs://", "hf://", "pvc://", "/")
+# Where pvc://<claim>/<path> is mounted inside a pod (``KUBERL_PVC_ROOT`` tells the workers).
+PVC_ROOT = "/mnt/pvc"
 
 # A Hugging Face repo id: "name" or "org/name"; letters, digits, '-', '_', '.'.
 _HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -29,23 +29,59 @@ _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
 # A Kubernetes object name (DNS-1123 subdomain) for PVC claims.
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
-# The same rules as one OpenAPI pattern (RE2, no look-around), so that the API server rejects
+# The same rules as OpenAPI patterns (RE2, no look-around), so that the API server rejects
 # unknown schemes and bad bucket or claim names before the operator sees the job.
 _BUCKET_RE = r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]"
 _HF_RE = r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?"
-URI_PATTERN = (
-    rf"^((s3|gs)://{_BUCKET_RE}(/\S*)?"
-    rf"|hf://{_HF_RE}(@\S+)?"
-    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*(/\S*)?"
-    r"|/\S*"
-    rf"|{_HF_RE}(@\S+)?)$"
-)
+_CLAIM_RE = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+
+
+@dataclass(frozen=True)
+class SchemeInfo:
+    """Everything kuberl decides per storage scheme; a new scheme is one entry in SCHEMES."""
+
+    name: Scheme
+    # The CRD pattern of this scheme's URIs after "<scheme>://" (None: absolute paths, "/...").
+    tail: str | None
+    # Copied into the pod by a ``kuberl stage`` init container (else read in place).
+    staged: bool
+    # May hold checkpoints (written by the trainers).
+    checkpoints: bool
+    # An object store reached through fsspec with credentials from a Secret.
+    cloud: bool
+
+
+SCHEMES: dict[str, SchemeInfo] = {
+    "s3": SchemeInfo("s3", rf"{_BUCKET_RE}(/\S*)?", staged=True, checkpoints=True, cloud=True),
+    "gs": SchemeInfo("gs", rf"{_BUCKET_RE}(/\S*)?", staged=True, checkpoints=True, cloud=True),
+    "hf": SchemeInfo("hf", rf"{_HF_RE}(@\S+)?", staged=True, checkpoints=False, cloud=False),
+    "pvc": SchemeInfo("pvc", rf"{_CLAIM_RE}(/\S*)?", staged=False, checkpoints=True, cloud=False),
+    "file": SchemeInfo("file", None, staged=False, checkpoints=True, cloud=False),
+}
+# Bare Hugging Face ids ("org/name[@revision]") parse as "hf".
+_BARE_HF_PATTERN = rf"{_HF_RE}(@\S+)?"
+
+CLOUD_SCHEMES: tuple[str, ...] = tuple(name for name, info in SCHEMES.items() if info.cloud)
+
+
+def _pattern(schemes: list[SchemeInfo], *extra: str) -> str:
+    """One anchored alternation; schemes with the same tail share one alternative ("(s3|gs)://")."""
+    by_tail: dict[str | None, list[str]] = {}
+    for info in schemes:
+        by_tail.setdefault(info.tail, []).append(info.name)
+    alternatives = []
+    for tail, names in by_tail.items():
+        if tail is None:
+            alternatives.append(r"/\S*")
+        else:
+            prefix = names[0] if len(names) == 1 else "(" + "|".join(names) + ")"
+            alternatives.append(f"{prefix}://{tail}")
+    return "^(" + "|".join([*alternatives, *extra]) + ")$"
+
+
+URI_PATTERN = _pattern(list(SCHEMES.values()), _BARE_HF_PATTERN)
 # Where checkpoints may be written: object stores, a PVC or a mounted path (not the Hub).
-CHECKPOINT_URI_PATTERN = (
-    rf"^((s3|gs)://{_BUCKET_RE}(/\S*)?"
-    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*(/\S*)?"
-    r"|/\S*)$"
-)
+CHECKPOINT_URI_PATTERN = _pattern([info for info in SCHEMES.values() if info.checkpoints])
 
 
 # A Hugging Face revision (branch, tag, "refs/pr/<n>" or a 40-hex commit id) goes into request
@@ -106,8 +142,12 @@ class ParsedURI:
     original: str = ""
 
     @property
+    def info(self) -> SchemeInfo:
+        return SCHEMES[self.scheme]
+
+    @property
     def is_cloud(self) -> bool:
-        return self.scheme in CLOUD_SCHEMES
+        return self.info.cloud
 
     @property
     def fsspec_url(self) -> str:
@@ -166,6 +206,15 @@ def _check_revision(uri: str, revision: str, field: str) -> None:
     problem = revision_problem(revision) if revision or uri.endswith("@") else None
     if problem:
         raise URIError(f"{field}: the revision {revision!r} in {uri!r} {problem}; give {REVISION_RULES_TEXT}")
+
+
+def in_pod_path(parsed: ParsedURI, staged_dir: str) -> str:
+    """The path a container reads ``parsed`` from: the staged copy, a mounted claim, or itself."""
+    if parsed.info.staged:
+        return staged_dir
+    if parsed.scheme == "pvc":
+        return f"{PVC_ROOT}/{parsed.bucket}/{parsed.path}".rstrip("/")
+    return parsed.path
 
 
 def _reject_dot_segments(uri: str, path: str, field: str) -> None:

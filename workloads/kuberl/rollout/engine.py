@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import uuid
 
+from kuberl.plan import Paths
 from kuberl.samples import Sample
 
 logger = logging.getLogger(__name__)
@@ -55,7 +57,12 @@ def engine_args(spec, local_model_path: str, served_model_name: str, *, engine_i
 class RolloutEngine:
     """Ray actor around one ``vllm.AsyncLLM``; see ``kuberl.rollout.pool.EnginePool``."""
 
-    def __init__(self, spec, model_path: str, served_model_name: str, *, engine_index: int = 0):
+    def __init__(self, spec, paths: Paths, served_model_name: str, *, engine_index: int = 0,
+                 devices: list[str] | None = None):
+        """``devices``: colocated on GPUs, the GPU ids of the trainer ranks this engine shares."""
+        if devices is not None:
+            # Before vLLM starts its workers, which inherit it.
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from kuberl.metrics import start_pod_exporter
@@ -69,10 +76,8 @@ class RolloutEngine:
         self._asleep = False
         self._resources = contextlib.ExitStack()
         try:
-            # The spec's revision belongs to the spec's model URI, not to a pre-staged path.
-            revision = spec.model.revision if model_path == spec.model.uri else None
             local = self._resources.enter_context(resolve(
-                model_path, revision=revision, trust_remote_code=spec.model.trust_remote_code))
+                paths.model, revision=paths.model_revision, trust_remote_code=spec.model.trust_remote_code))
             self.engine = AsyncLLM.from_engine_args(
                 engine_args(spec, local, served_model_name, engine_index=engine_index))
             self._resources.callback(self.engine.shutdown)

@@ -1,4 +1,8 @@
-"""The driver's handle on all rollout engines: creation, batched generation, HTTP serving."""
+"""The driver's handle on all rollout engines: creation, batched generation, HTTP serving.
+
+How many engines and what each asks Ray for come from the run plan. Colocated engines ask for no
+GPU: each runs on the GPUs of ``tensorParallelSize`` trainer ranks of one node (which Ray gave
+those ranks), pinned to that node, and sleeps while the trainer steps."""
 
 from __future__ import annotations
 
@@ -6,43 +10,58 @@ import logging
 
 import ray
 
+from kuberl.plan import RunPlan
 from kuberl.samples import Sample
 
 logger = logging.getLogger(__name__)
 
-# Nodes that may host engines advertise this Ray custom resource (set by the RayJob render).
-ROLLOUT_RESOURCE = "kuberl_rollout"
 
-
-def default_num_engines(spec) -> int:
-    rollout = spec.rollout
-    if rollout.colocate:
-        gpus = spec.trainer.replicas * spec.trainer.gpus_per_replica
-    elif rollout.gpus_per_replica == 0:
-        return rollout.replicas  # CPU engines: one per rollout pod
-    else:
-        gpus = rollout.replicas * rollout.gpus_per_replica
-    return max(1, gpus // rollout.tensor_parallel_size)
+def colocated_devices(gpu_slots: list[tuple[str, str]], tensor_parallel_size: int) -> list[tuple[str, list[str]]]:
+    """(node, GPU ids) of each colocated engine: the trainer ranks' GPUs (``gpu_slots``: node id
+    and Ray GPU id per rank) grouped by node, cut into tensor-parallel groups."""
+    by_node: dict[str, list[str]] = {}
+    for node, gpu in gpu_slots:
+        by_node.setdefault(node, []).append(gpu)
+    out = []
+    for node, gpus in by_node.items():
+        if len(gpus) % tensor_parallel_size:
+            raise ValueError(f"node {node} has {len(gpus)} trainer GPUs, not a multiple of "
+                             f"rollout.tensorParallelSize {tensor_parallel_size}")
+        out += [(node, gpus[i:i + tensor_parallel_size]) for i in range(0, len(gpus), tensor_parallel_size)]
+    return out
 
 
 class EnginePool:
-    def __init__(self, spec, model_path: str, served_model_name: str, *, num_engines: int | None = None):
+    def __init__(self, spec, plan: RunPlan, served_model_name: str, *, num_engines: int | None = None,
+                 gpu_slots: list[tuple[str, str]] | None = None):
+        """``gpu_slots``: the trainer ranks' (node, GPU id), required when colocated on GPUs."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         from kuberl.rollout.engine import RolloutEngine
 
         self.spec = spec
         self.served_model_name = served_model_name
-        count = num_engines if num_engines is not None else default_num_engines(spec)
+        topo = plan.topology
+        self.colocated = topo.colocated
+        count = num_engines if num_engines is not None else topo.engines
         if count < 1:
             raise ValueError(f"num_engines must be at least 1, got {count}")
-        rollout = spec.rollout
-        gpus = 0 if rollout.gpus_per_replica == 0 and not rollout.colocate else rollout.tensor_parallel_size
-        options = {"num_cpus": 1, "num_gpus": gpus, "max_concurrency": 1000}
-        if ray.cluster_resources().get(ROLLOUT_RESOURCE, 0) > 0:
-            options["resources"] = {ROLLOUT_RESOURCE: 1}
+        options = {"num_cpus": 1, "num_gpus": topo.gpus_per_engine, "max_concurrency": 1000}
+        if ray.cluster_resources().get(topo.rollout_resource, 0) > 0:
+            options["resources"] = {topo.rollout_resource: 1}
+        placements: list[tuple[str | None, list[str] | None]] = [(None, None)] * count
+        if topo.colocated and topo.gpus_per_rank:
+            placements = colocated_devices(gpu_slots or [], topo.tensor_parallel_size)[:count]
+            if len(placements) < count:
+                raise ValueError(f"{count} colocated engines need {count * topo.tensor_parallel_size} "
+                                 f"trainer GPUs; the trainer ranks hold {len(gpu_slots or [])}")
         actor_cls = ray.remote(RolloutEngine)
-        self.engines = [actor_cls.options(**options).remote(spec, model_path, served_model_name,
-                                                            engine_index=i)
-                        for i in range(count)]
+        self.engines = []
+        for i, (node, devices) in enumerate(placements):
+            where = ({"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+                     if node is not None else {})
+            self.engines.append(actor_cls.options(**options, **where).remote(
+                spec, plan.paths, served_model_name, engine_index=i, devices=devices))
         # Surface start-up failures (bad model path, vLLM errors) here, not at the first request.
         ray.get([engine.weight_version.remote() for engine in self.engines])
         self._server = None

@@ -4,6 +4,11 @@
 object (a JSON manifest) exists; COMPLETE is written after every other object is uploaded, and
 ``<root>/latest`` (text: the directory name) moves only after COMPLETE, so a reader never picks a
 half-uploaded checkpoint, whatever moment the writer died at.
+
+Writers that upload from several places (each trainer rank its own shards) call
+``withdraw_from`` before anything of a step is written (a step written again, after resuming from
+an older one or with ``resume: never`` on a reused root, must never look complete while it holds
+a mix of old and new objects), then ``commit_records`` once every part is durable.
 """
 
 from __future__ import annotations
@@ -42,17 +47,63 @@ def _write_small(fs, parsed: ParsedURI, path: str, data: bytes, uri: str) -> Non
 
 def commit_checkpoint(local_dir: str | Path, root_uri: str, step: int) -> str:
     """Upload ``local_dir`` as checkpoint ``step`` under ``root_uri``; return its URI."""
+    withdraw_from(root_uri, step)
+    records = upload_dir(local_dir, parse(root_uri, "checkpoint.uri").join(checkpoint_dirname(step)))
+    return commit_records(root_uri, step, [asdict(r) for r in records])
+
+
+def step_uri(root_uri: str, step: int) -> str:
+    return parse(root_uri, "checkpoint.uri").join(checkpoint_dirname(step))
+
+
+def withdraw_from(root_uri: str, step: int) -> list[str]:
+    """Before checkpoint ``step`` is written: delete it and every complete checkpoint after it
+    (a later step under this root belongs to a run that this one replaces), each COMPLETE first
+    so that a half-deleted checkpoint never looks complete. Returns the URIs removed."""
+    parsed = parse(root_uri, "checkpoint.uri")
+    fs = filesystems.filesystem(parsed)
+    root = filesystems.root_path(parsed)
+    removed = []
+    for later in [s for s in _complete_steps(fs, root, root_uri) if s >= step]:
+        _remove_step(fs, root, later, complete=True, uri=root_uri)
+        removed.append(parsed.join(checkpoint_dirname(later)))
+    path = f"{root}/{checkpoint_dirname(step)}"
+    if with_retries(lambda: fs.exists(path), uri=root_uri):  # an earlier, incomplete attempt
+        _remove_step(fs, root, step, complete=False, uri=root_uri)
+    return removed
+
+
+def _remove_step(fs, root: str, step: int, *, complete: bool, uri: str) -> None:
+    path = f"{root}/{checkpoint_dirname(step)}"
+    if complete:
+        with_retries(lambda: fs.rm_file(f"{path}/{COMPLETE}"), uri=uri)
+    try:
+        with_retries(lambda: fs.rm(path, recursive=True), uri=uri)
+    except StorageError:
+        if with_retries(lambda: fs.exists(path), uri=uri):
+            raise
+
+
+def commit_records(root_uri: str, step: int, files: list[dict], extra: dict[str, bytes] | None = None) -> str:
+    """Commit checkpoint ``step`` whose ``files`` (FileRecord dicts, paths relative to the step)
+    are all durable: write ``extra`` (small files, e.g. the driver's state), then COMPLETE, then
+    move ``latest``. Returns the checkpoint's URI."""
     parsed = parse(root_uri, "checkpoint.uri")
     name = checkpoint_dirname(step)
     uri = parsed.join(name)
-    records = upload_dir(local_dir, uri)
     fs = filesystems.filesystem(parsed)
     root = filesystems.root_path(parsed)
+    files = list(files)
+    if not parsed.is_cloud:
+        fs.makedirs(f"{root}/{name}", exist_ok=True)
+    for rel, data in (extra or {}).items():
+        _write_small(fs, parsed, f"{root}/{name}/{rel}", data, uri)
+        files.append({"path": rel, "size": len(data), "etag": None, "checksum": "size"})
     manifest = {
         "step": step,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "total_bytes": sum(r.size for r in records),
-        "files": [asdict(r) for r in records],
+        "total_bytes": sum(f["size"] for f in files),
+        "files": sorted(files, key=lambda f: f["path"]),
     }
     _write_small(fs, parsed, f"{root}/{name}/{COMPLETE}",
                  (json.dumps(manifest, indent=1) + "\n").encode(), uri)
@@ -125,10 +176,7 @@ def prune_checkpoints(root_uri: str, keep: int) -> list[str]:
         step = int(match.group(1))
         if step in kept or (step not in complete and step > complete[-1]):
             continue
-        path = f"{root}/{checkpoint_dirname(step)}"
-        if step in complete:
-            # COMPLETE goes first, so a half-deleted checkpoint never looks complete.
-            with_retries(lambda: fs.rm_file(f"{path}/{COMPLETE}"), uri=root_uri)
-        with_retries(lambda: fs.rm(path, recursive=True), uri=root_uri)
+        # COMPLETE goes first, so a half-deleted checkpoint never looks complete.
+        _remove_step(fs, root, step, complete=step in complete, uri=root_uri)
         removed.append(parsed.join(checkpoint_dirname(step)))
     return removed

@@ -2,11 +2,24 @@
 
 ``make_weight_sync(spec, trainer_group, engine_pool)`` returns a ``WeightSync`` for
 ``spec.weightSync.method``; call ``setup()`` once, then ``sync(version)`` after each update.
+One module per transport (``nccl``, ``checkpoint``, ``ipc``), each with its driver, sender and
+receiver parts; ``receiver.WeightReceiver`` gathers the receivers into vLLM's worker extension.
 """
 
 from kuberl.sync.base import SyncStats, WeightSync
-from kuberl.sync.methods import (CheckpointWeightSync, IpcWeightSync, NcclWeightSync,
-                                 make_weight_sync)
+from kuberl.sync.checkpoint import CheckpointWeightSync
+from kuberl.sync.ipc import IpcWeightSync
+from kuberl.sync.nccl import NcclWeightSync
+
+METHODS = {"nccl": NcclWeightSync, "checkpoint": CheckpointWeightSync, "ipc": IpcWeightSync}
+
+
+def make_weight_sync(spec, trainer_group, engine_pool) -> WeightSync:
+    method = spec.weight_sync.method
+    if method not in METHODS:
+        raise ValueError(f"weightSync.method: unknown method {method!r}; use one of {sorted(METHODS)}")
+    return METHODS[method](spec, trainer_group, engine_pool)
+
 
 __all__ = ["CheckpointWeightSync", "IpcWeightSync", "NcclWeightSync", "SyncStats", "WeightSync",
            "make_weight_sync"]

@@ -1,4 +1,5 @@
-"""The weight-sync interface shared by the three methods."""
+"""The weight-sync interface shared by the transports (one module each: ``nccl``, ``checkpoint``,
+``ipc``, each holding its driver, sender and receiver parts)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,27 @@ class WeightSync(abc.ABC):
 
     def close(self) -> None:
         """Release what ``setup`` created."""
+
+
+class EngineInfo:
+    """What every transport asks the engines first: their model dtype (the wire dtype) and
+    tensor-parallel sizes."""
+
+    def __init__(self, engine_pool):
+        import ray
+
+        infos = ray.get([engine.sync_info.remote() for engine in engine_pool.engines])
+        dtypes = {info["dtype"] for info in infos}
+        if len(dtypes) != 1:
+            raise RuntimeError(f"rollout engines disagree on the model dtype: {sorted(dtypes)}")
+        self.dtype = dtypes.pop()
+        self.tp_sizes = [info["tensor_parallel_size"] for info in infos]
+
+
+def metas(worker, wire_dtype: str):
+    """On every trainer rank: the parameters' metadata in the engines' dtype (no collective)."""
+    import torch
+
+    from kuberl.sync.params import param_metas
+
+    return param_metas(worker.model, getattr(torch, wire_dtype))

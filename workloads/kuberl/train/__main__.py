@@ -1,8 +1,9 @@
 """`python -m kuberl.train --config job.yaml` (or `kuberl train`): the Ray driver.
 
-The same command runs inside a KubeRay cluster (the RayJob's entrypoint, config from the job's
-ConfigMap, model staged by init containers) and on a laptop (a local Ray). Without --config it
-runs the embedded default: a tiny model and a toy task made locally under ~/.cache/kuberl/.
+The same command runs inside a KubeRay cluster (the RayJob's entrypoint, config and run plan from
+the job's ConfigMap, model staged by init containers) and on a laptop (a local Ray and a local
+run plan: every process fetches its inputs itself). Without --config it runs the embedded
+default: a tiny model and a toy task made locally under ~/.cache/kuberl/.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from pathlib import Path
 
 import yaml
 
+from kuberl import plan as plans
 from kuberl.api.types import RLTrainingJob
 from kuberl.api.validate import ManifestError, validate_manifest
-from kuberl.render import RESUME_ANNOTATION
 
 log = logging.getLogger("kuberl.train")
 DEFAULT_HOME = Path(os.environ.get("KUBERL_CACHE", Path.home() / ".cache" / "kuberl"))
@@ -63,27 +64,14 @@ def load_job(path: str) -> RLTrainingJob:
         raise SystemExit(f"kuberl train: {path}: {exc}") from None
 
 
-@contextlib.contextmanager
-def local_input(env_var: str, uri: str, **resolve_kw):
-    """Inside a kuberl pod the init containers already staged the input (its path is in
-    ``env_var``); elsewhere fetch it here, into a temp dir removed afterwards."""
-    staged = os.environ.get(env_var)
-    if staged and Path(staged).exists():
-        yield staged
-        return
-    from kuberl.storage import resolve
-
-    with resolve(uri, **resolve_kw) as path:
-        yield str(path)
-
-
-def run(job: RLTrainingJob, work_dir: Path, *, max_steps: int | None = None, resume_from: str | None = None,
+def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None,
         metrics_file: Path | None = None) -> int:
     import ray
     from transformers import AutoTokenizer
 
     from kuberl.metrics import start_pod_exporter
     from kuberl.rollout.pool import EnginePool
+    from kuberl.storage import resolve
     from kuberl.sync import make_weight_sync
     from kuberl.train.checkpoint import CheckpointManager
     from kuberl.train.driver import GRPODriver, Preemption
@@ -98,64 +86,58 @@ def run(job: RLTrainingJob, work_dir: Path, *, max_steps: int | None = None, res
             # A local Ray. CPUs are logical here: every trainer rank and engine needs a slot even
             # on a 2-core laptop, where they take turns.
             # address="local": a new Ray of our own, never one some other program left running.
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, local_slots(spec)), include_dashboard=False,
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, local_slots(plan)), include_dashboard=False,
                      logging_level=logging.WARNING)
     # After ray.init: Ray's core installs a SIGTERM handler that aborts the process; ours replaces it.
     preemption = Preemption()
     preemption.install()
     reporter = reporter_from_env()
     start_pod_exporter("head")
-    work_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
-        model_path = stack.enter_context(local_input(
-            "KUBERL_MODEL_PATH", spec.model.uri, revision=spec.model.revision,
-            trust_remote_code=spec.model.trust_remote_code))
-        data_path = stack.enter_context(local_input("KUBERL_DATA_PATH", spec.data.uri))
+        # In a pod both are staged or mounted paths (resolve passes them through); locally URIs.
+        model_path = stack.enter_context(resolve(plan.paths.model, revision=plan.paths.model_revision,
+                                                 trust_remote_code=spec.model.trust_remote_code))
+        data_path = stack.enter_context(resolve(plan.paths.data))
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=spec.model.trust_remote_code)
-        trainer = TrainerGroup(spec, model_path)
+        trainer = TrainerGroup(spec, plan)
         stack.callback(trainer.shutdown)
         # The original URI stays the served model name: users and logs see what they asked for.
-        engines = EnginePool(spec, model_path, served_model_name=spec.model.uri)
+        engines = EnginePool(spec, plan, served_model_name=spec.model.uri, gpu_slots=trainer.gpu_slots)
         stack.callback(engines.shutdown)
         weight_sync = make_weight_sync(spec, trainer, engines)
         weight_sync.setup()
-        checkpoints = CheckpointManager(spec.checkpoint, work_dir / "checkpoints", on_committed=reporter.checkpoint)
-        driver = GRPODriver(job, trainer=trainer, engines=engines, weight_sync=weight_sync, tokenizer=tokenizer,
+        checkpoints = CheckpointManager(plan.checkpoints, plan.resume, trainer, on_committed=reporter.checkpoint)
+        driver = GRPODriver(job, plan, trainer=trainer, engines=engines, weight_sync=weight_sync, tokenizer=tokenizer,
                             data_path=data_path, checkpoints=checkpoints, reporter=reporter, preemption=preemption,
                             metrics_file=metrics_file)
-        driver.restore(resume_from or job.metadata.annotations.get(RESUME_ANNOTATION))
+        driver.restore()
         code, _ = driver.run(max_steps)
-        if code == 0 and spec.checkpoint.export_hugging_face and driver.step >= spec.algorithm.total_steps:
-            from kuberl.train.export import export_hugging_face
-
-            export_hugging_face(trainer, model_path, spec, work_dir / "hf-export")
+        if code == 0 and plan.checkpoints.export_hugging_face and driver.step >= spec.algorithm.total_steps:
+            trainer.export_hugging_face(plan.checkpoints.export_uri)
         return code
 
 
-def local_slots(spec) -> int:
-    """Ray CPU slots a local run needs: trainer ranks, engines, and one to spare."""
-    trainer = spec.trainer.replicas * (spec.trainer.gpus_per_replica or spec.trainer.processes_per_replica)
-    engines = 0 if spec.rollout.colocate else spec.rollout.replicas * max(
-        1, spec.rollout.gpus_per_replica // spec.rollout.tensor_parallel_size)
-    return trainer + engines + 1
+def local_slots(plan: plans.RunPlan) -> int:
+    """Ray CPU slots a local run needs: trainer ranks, engines with their own slot, one to spare."""
+    topo = plan.topology
+    return topo.world_size + (0 if topo.colocated else topo.engines) + 1
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kuberl train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="RLTrainingJob manifest (default: the embedded tiny job)")
-    parser.add_argument("--work-dir", type=Path, help="local scratch for checkpoints before upload "
-                        "(default: ~/.cache/kuberl/runs/<job>)")
+    parser.add_argument("--work-dir", type=Path, help="local scratch (each trainer rank writes its "
+                        "checkpoint shards below it before uploading them; default: ~/.cache/kuberl/runs/<job>)")
     parser.add_argument("--max-steps", type=int, help="stop after this many steps (the run can be resumed)")
-    parser.add_argument("--resume-from", help="checkpoint URI to restore (default: spec.checkpoint.resume)")
     parser.add_argument("--metrics-file", type=Path, help="append one JSON line of metrics per step")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     job = load_job(args.config) if args.config else embedded_job(DEFAULT_HOME / TINY_VERSION)
     work_dir = args.work_dir or DEFAULT_HOME / "runs" / job.metadata.name
-    return run(job, work_dir, max_steps=args.max_steps, resume_from=args.resume_from,
-               metrics_file=args.metrics_file)
+    plan = plans.load(job, Path(args.config) if args.config else None, work_dir)
+    return run(job, plan, max_steps=args.max_steps, metrics_file=args.metrics_file)
 
 
 if __name__ == "__main__":

@@ -1,88 +1,271 @@
-"""Checkpoints of the whole training state, written locally then uploaded in the background.
+"""Checkpoints of the whole training state, written by every trainer rank on its own: no
+filesystem is shared between ranks, or between the ranks and the driver.
 
-A checkpoint is the trainer's state (model and optimizer shards through
-torch.distributed.checkpoint, scheduler, step, every RNG; written by ``TrainerGroup.save_state``)
-plus ``driver.json`` (step, weight version). It becomes visible, and ``latest`` moves, only after
-every file is uploaded (``kuberl.storage.commit_checkpoint``); the newest ``keep`` are kept.
-``format: tar`` packs the trainer directory into one uncompressed tar (never gzip: multi-GB
-FSDP checkpoints took minutes to compress for almost no gain).
+A checkpoint ``<root>/step-<n>/`` holds
+- ``trainer/``: the model and optimizer shards (torch.distributed.checkpoint: each rank writes its
+  own ``__<rank>_0.distcp``, rank 0 the ``.metadata``) and, per rank, its scheduler, step counters
+  and every RNG state (``trainer_rank<r>_of<world>.pt``); with ``format: tar`` each rank's part
+  packed into one uncompressed ``trainer-rank<r>.tar`` instead (never gzip: multi-GB FSDP
+  checkpoints took minutes to compress for almost no gain);
+- ``driver.json`` (step, weight version), written at commit;
+- ``COMPLETE``, the manifest of every file, written last; then ``<root>/latest`` moves.
 
-Local checkpoints are uploaded by the driver, so trainer ranks must share the driver's
-filesystem (one node, or a shared volume); per-node upload by each rank is future work.
+Saving (``RankCheckpointer.save``, collective): rank 0 first withdraws any earlier copy of the
+step (``kuberl.storage.withdraw_from``); then each rank hands its live state to a background
+thread that writes it into the rank's own scratch directory and uploads it. Training goes on at
+once: the state is not copied, so the rank's next optimizer step waits (``fence``) until the
+write has read it; the rollout of the next step, which never touches the trainer's state,
+overlaps the write, and the upload overlaps everything. The driver (``CheckpointManager``) waits
+in a thread of its own for every rank's upload to be durable, then has rank 0 commit, then prune.
+
+Restoring (``RankCheckpointer.load``, collective) reads straight from the checkpoint URI on
+every rank (byte ranges through fsspec for s3/gs; the mounted path for pvc and local roots).
 """
 
 from __future__ import annotations
 
+import copy
+import io
 import json
 import logging
 import shutil
 import tarfile
-import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
 from kuberl import metrics as pod_metrics
-from kuberl.api.types import CheckpointSpec
-from kuberl.storage import (checkpoint_dirname, checkpoint_to_restore, commit_checkpoint, latest_checkpoint,
-                            prune_checkpoints, stage)
-from kuberl.storage.archive import extract_tar
-from kuberl.storage.errors import StorageError
+from kuberl.plan import Checkpoints, Resume
+from kuberl.storage import (checkpoint_to_restore, commit_records, latest_checkpoint, prune_checkpoints, stage,
+                            step_uri, upload_dir, withdraw_from)
+from kuberl.storage import filesystems
+from kuberl.storage.errors import StorageError, with_retries
+from kuberl.uri import parse
 
 log = logging.getLogger("kuberl.train")
 DRIVER_STATE = "driver.json"
 TRAINER_DIR = "trainer"
-TRAINER_TAR = "trainer.tar"
 # tarfile copies members in 16 KiB blocks by default: packing a 2.5 GB trainer dir took ~2.3 s
-# instead of ~0.7 s with 1 MiB blocks (bench/checkpoint.py), inside the stall training sees.
+# instead of ~0.7 s with 1 MiB blocks (bench/checkpoint.py).
 TAR_COPY_BUFSIZE = 1 << 20
+# The Ray concurrency group the driver's waits and rank 0's commit run in, beside training.
+CONCURRENCY_GROUP = "checkpoint"
+
+
+def extra_name(rank: int, world_size: int) -> str:
+    return f"trainer_rank{rank}_of{world_size}.pt"
+
+
+def tar_name(rank: int) -> str:
+    return f"trainer-rank{rank}.tar"
+
+
+def find_checkpoint(resume: Resume) -> str | None:
+    """The checkpoint a run restores, from the plan alone: the newest complete one under the
+    job's own root, else the one the spec names (which must be complete), else none."""
+    if resume.newest_under:
+        found = latest_checkpoint(resume.newest_under)
+        if found:
+            return found
+    if resume.explicit:
+        found = checkpoint_to_restore(resume.explicit)
+        if found is None:
+            raise StorageError(f"spec.checkpoint.resume {resume.explicit}: no complete checkpoint there; "
+                               f"point it at a step-<n> checkpoint or a root that has one, or use auto")
+        return found
+    return None
+
+
+class RankCheckpointer:
+    """One trainer rank's side of checkpoints. ``worker`` is its ``TrainerWorker``; ``scratch``
+    a directory no other rank uses (in a pod: under the pod's own emptyDir)."""
+
+    def __init__(self, worker: Any, checkpoints: Checkpoints, scratch: Path):
+        import torch.distributed as dist
+
+        self.worker = worker
+        self.spec = checkpoints
+        self.scratch = Path(scratch)
+        self.rank, self.world_size = worker.rank, worker.world_size
+        # dcp's own collectives run from the writer thread while training issues others on the
+        # default group: a group of their own keeps the two orders apart (gloo: dcp exchanges
+        # only plans and metadata, small Python objects).
+        self.group = dist.new_group(backend="gloo")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-write")
+        self._written = threading.Event()
+        self._written.set()
+        self._uploads: dict[int, Future] = {}
+
+    # --- saving ------------------------------------------------------------------------------
+
+    def fence(self) -> None:
+        """Block until the last save has read the live state: call before changing it."""
+        self._written.wait()
+
+    def save(self, step: int) -> float:
+        """Start checkpoint ``step`` of this rank (collective). Returns the seconds it blocked."""
+        import torch.distributed as dist
+
+        started = time.perf_counter()
+        self.fence()
+        if self.rank == 0:
+            withdraw_from(self.spec.root, step)
+        dist.barrier()  # nothing of the step is uploaded before rank 0 withdrew the old one
+        state, extra = self.worker.checkpoint_state()
+        local = self.scratch / f"step-{step}"
+        shutil.rmtree(local, ignore_errors=True)
+        local.mkdir(parents=True)
+        self._written.clear()
+        self._uploads[step] = self._writer.submit(self._write_and_upload, step, state, extra, local)
+        return time.perf_counter() - started
+
+    def _write_and_upload(self, step: int, state: dict, extra: dict, local: Path) -> list[dict]:
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            started = time.perf_counter()
+            if self.worker.device.type == "cuda":
+                torch.cuda.set_device(self.worker.device)
+            trainer_dir = local / TRAINER_DIR
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(trainer_dir)), process_group=self.group)
+            torch.save(extra, trainer_dir / extra_name(self.rank, self.world_size))
+        finally:
+            self._written.set()
+        if self.spec.format == "tar":
+            with tarfile.open(local / tar_name(self.rank), "w", copybufsize=TAR_COPY_BUFSIZE) as tar:
+                tar.add(trainer_dir, arcname=TRAINER_DIR)
+            shutil.rmtree(trainer_dir)
+        nbytes = sum(f.stat().st_size for f in local.rglob("*") if f.is_file())
+        pod_metrics.record_checkpoint(time.perf_counter() - started, nbytes)
+        try:
+            records = upload_dir(local, step_uri(self.spec.root, step))
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        return [asdict(r) for r in records]
+
+    def uploaded(self, step: int) -> list[dict]:
+        """This rank's files of checkpoint ``step``, once durable in the store; raises what the
+        write or the upload raised."""
+        return self._uploads.pop(step).result()
+
+    def commit(self, step: int, files: list[dict], driver_state: dict) -> str:
+        """Rank 0, after every rank's ``uploaded``: COMPLETE, ``latest``, then keep-N pruning."""
+        extra = {DRIVER_STATE: (json.dumps({**driver_state, "step": step}, indent=1) + "\n").encode()}
+        uri = commit_records(self.spec.root, step, files, extra)
+        prune_checkpoints(self.spec.root, self.spec.keep)
+        return uri
+
+    def close(self) -> None:
+        """Wait for the writes and uploads under way (their errors are the driver's to see)."""
+        self._writer.shutdown(wait=True)
+
+    # --- restoring ---------------------------------------------------------------------------
+
+    def load(self, uri: str) -> dict:
+        """Restore checkpoint ``uri`` into this rank (collective); returns the driver's state."""
+        import torch
+
+        self.fence()
+        parsed = parse(uri, "checkpoint")
+        fs = filesystems.filesystem(parsed)
+        base = filesystems.root_path(parsed)
+        local = None
+        try:
+            if self.spec.format == "tar" or with_retries(lambda: fs.exists(f"{base}/{tar_name(0)}"), uri=uri):
+                # One tar per rank: this rank fetches every rank's part (dcp may read any of them).
+                local = self.scratch / "restore"
+                shutil.rmtree(local, ignore_errors=True)
+                for rank in range(self.world_size):
+                    stage(parse(uri).join(tar_name(rank)), local / str(rank))
+                    for item in (local / str(rank) / TRAINER_DIR).iterdir():
+                        (local / TRAINER_DIR).mkdir(parents=True, exist_ok=True)
+                        item.replace(local / TRAINER_DIR / item.name)
+                reader_path, reader_fs = str(local / TRAINER_DIR), None
+            else:
+                reader_path, reader_fs = f"{base}/{TRAINER_DIR}", (fs if parsed.is_cloud else None)
+            extra_path = f"{reader_path}/{extra_name(self.rank, self.world_size)}"
+            extra_fs = reader_fs or filesystems.filesystem(parse("/", "local path"))
+            self._require(extra_fs, extra_path, uri)
+            extra = torch.load(io.BytesIO(with_retries(lambda: extra_fs.cat_file(extra_path), uri=uri)),
+                               weights_only=True)
+            self.worker.restore_state(lambda state: self._dcp_load(state, reader_path, reader_fs), extra)
+        finally:
+            if local is not None:
+                shutil.rmtree(local, ignore_errors=True)
+        return json.loads(with_retries(lambda: fs.cat_file(f"{base}/{DRIVER_STATE}"), uri=uri))
+
+    def _require(self, fs, path: str, uri: str) -> None:
+        """Every rank finds its own part, or all raise together (a rank raising alone would leave
+        the others waiting in dcp.load)."""
+        import torch
+        import torch.distributed as dist
+
+        missing = torch.tensor([0.0 if with_retries(lambda: fs.exists(path), uri=uri) else 1.0])
+        dist.all_reduce(missing, group=self.group)
+        if missing.item():
+            raise FileNotFoundError(
+                f"{uri}: {int(missing.item())} of {self.world_size} trainer ranks find no "
+                f"trainer_rank<r>_of{self.world_size}.pt: the checkpoint was written by a different "
+                f"number of trainer ranks; resume with the same world size")
+
+    def _dcp_load(self, state: dict, path: str, fs) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if fs is None:
+            reader = dcp.FileSystemReader(path)
+        else:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            # fsspec's own instance for the URL would not know kuberl's endpoint and credential
+            # rules (kuberl.storage.filesystems): read through the same filesystem as the rest.
+            reader = FsspecReader(path)
+            reader.fs.fs = fs
+            reader.path = path
+        dcp.load(state, storage_reader=reader, process_group=self.group)
 
 
 class CheckpointManager:
-    def __init__(self, spec: CheckpointSpec, work_dir: Path,
+    """The driver's side: when to save, and the commit that follows every rank's upload.
+
+    ``trainer`` is the ``TrainerGroup`` (``save_checkpoint``, ``checkpoint_uploaded``,
+    ``commit_checkpoint``, ``find_checkpoint``, ``load_checkpoint``)."""
+
+    def __init__(self, checkpoints: Checkpoints, resume: Resume, trainer: Any,
                  on_committed: Callable[[str, int], None] = lambda uri, step: None):
-        self.spec = spec
-        self.work_dir = Path(work_dir)
+        self.spec = checkpoints
+        self.resume = resume
+        self.trainer = trainer
         self.on_committed = on_committed
-        self._uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-upload")
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
         self._pending: Future | None = None
 
     @property
     def enabled(self) -> bool:
-        return self.spec.uri is not None
+        return self.spec.root is not None
 
     def due(self, step: int) -> bool:
         return self.enabled and step % self.spec.interval_steps == 0
 
-    def save(self, step: int, save_trainer: Callable[[str], None], driver_state: dict[str, Any]) -> None:
-        """Write checkpoint ``step`` locally (blocking: the trainer's state must not move under it),
-        then upload it in the background."""
-        self.wait()  # one upload at a time; also surfaces the previous upload's error
-        started = time.perf_counter()
-        local = self.work_dir / checkpoint_dirname(step)
-        shutil.rmtree(local, ignore_errors=True)
-        local.mkdir(parents=True)
-        save_trainer(str(local / TRAINER_DIR))
-        if self.spec.format == "tar":
-            with tarfile.open(local / TRAINER_TAR, "w", copybufsize=TAR_COPY_BUFSIZE) as tar:  # uncompressed
-                tar.add(local / TRAINER_DIR, arcname=TRAINER_DIR)
-            shutil.rmtree(local / TRAINER_DIR)
-        (local / DRIVER_STATE).write_text(json.dumps({**driver_state, "step": step}, indent=1))
-        # The stall training sees; the upload that follows runs beside the next steps.
-        pod_metrics.record_checkpoint(time.perf_counter() - started,
-                                      sum(f.stat().st_size for f in local.rglob("*") if f.is_file()))
-        self._pending = self._uploader.submit(self._commit, local, step)
+    def save(self, step: int, driver_state: dict[str, Any]) -> float:
+        """Start checkpoint ``step`` on every rank; commit it in the background once all are
+        durable. Returns the stall training saw."""
+        self.wait()  # one checkpoint in flight at a time; also surfaces the previous one's error
+        stall = self.trainer.save_checkpoint(step)
+        self._pending = self._committer.submit(self._commit, step, copy.deepcopy(driver_state))
+        return stall
 
-    def _commit(self, local: Path, step: int) -> str:
-        uri = commit_checkpoint(local, self.spec.uri, step)
-        prune_checkpoints(self.spec.uri, self.spec.keep)
+    def _commit(self, step: int, driver_state: dict) -> str:
+        files = self.trainer.checkpoint_uploaded(step)
+        uri = self.trainer.commit_checkpoint(step, files, driver_state)
         self.on_committed(uri, step)
-        shutil.rmtree(local, ignore_errors=True)
         return uri
 
     def wait(self) -> str | None:
-        """Block until the pending upload is committed; re-raise its error."""
+        """Block until the pending checkpoint is committed; re-raise its error."""
         pending, self._pending = self._pending, None
         return pending.result() if pending else None
 
@@ -90,34 +273,13 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            self._uploader.shutdown(wait=True)
+            self._committer.shutdown(wait=True)
 
-    def source(self, resume_from: str | None) -> str | None:
-        """Which checkpoint this run restores: an explicit one, else the newest complete one."""
-        resume = resume_from or self.spec.resume
-        if resume == self.spec.uri:  # the operator names the root when the spec says auto
-            resume = "auto"
-        if resume == "never":
-            return None
-        if resume == "auto":
-            return latest_checkpoint(self.spec.uri) if self.spec.uri else None
-        source = checkpoint_to_restore(resume)
+    def restore(self) -> dict[str, Any] | None:
+        """Restore what the plan says into every rank; the driver's state, or None (fresh run)."""
+        source = self.trainer.find_checkpoint(self.resume)
         if source is None:
-            raise StorageError(f"checkpoint.resume {resume}: no complete checkpoint there; point it at "
-                               f"a step-<n> checkpoint or a root that has one, or use auto")
-        return source
-
-    def restore(self, source: str, load_trainer: Callable[[str], None]) -> dict[str, Any]:
-        """Fetch checkpoint ``source`` (verified, tar members unpacked safely) and load it."""
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        local = Path(tempfile.mkdtemp(prefix="restore-", dir=self.work_dir))
-        try:
-            stage(source, local)
-            if (local / TRAINER_TAR).exists():
-                extract_tar(local / TRAINER_TAR, local, source)
-            load_trainer(str(local / TRAINER_DIR))
-            state = json.loads((local / DRIVER_STATE).read_text())
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
+            return None
+        state = self.trainer.load_checkpoint(source)
         log.info("resumed from %s (step %d)", source, state["step"])
         return state

@@ -19,6 +19,7 @@ from typing import Any
 
 from kuberl import metrics as pod_metrics
 from kuberl.api.types import RLTrainingJob
+from kuberl.plan import RunPlan
 from kuberl.samples import Sample, TrainBatch
 from kuberl.train.checkpoint import CheckpointManager
 from kuberl.train.data import PromptStream, load_prompts
@@ -56,11 +57,12 @@ class Preemption:
 
 
 class GRPODriver:
-    def __init__(self, job: RLTrainingJob, *, trainer: Any, engines: Any, weight_sync: Any, tokenizer: Any,
-                 data_path: str, checkpoints: CheckpointManager, reporter: StatusReporter,
+    def __init__(self, job: RLTrainingJob, plan: RunPlan, *, trainer: Any, engines: Any, weight_sync: Any,
+                 tokenizer: Any, data_path: str, checkpoints: CheckpointManager, reporter: StatusReporter,
                  preemption: Preemption | None = None, metrics_file: Path | None = None):
         self.job = job
         self.spec = job.spec
+        self.plan = plan
         self.trainer = trainer
         self.engines = engines
         self.weight_sync = weight_sync
@@ -119,6 +121,9 @@ class GRPODriver:
 
         started = time.perf_counter()
         samples = self.rollout(step)
+        colocated = self.plan.topology.colocated
+        if colocated:
+            self.engines.sleep()  # the trainer ranks get the GPUs' memory while they step
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         advantages = group_advantages(rewards, torch.tensor([s.group for s in samples]))
         for sample, advantage in zip(samples, advantages.tolist(), strict=True):
@@ -128,6 +133,8 @@ class GRPODriver:
         if self.spec.algorithm.kl_coef > 0:
             batch.ref_logprobs = self.trainer.ref_log_probs(batch)
         metrics = dict(self.trainer.train_step(batch))
+        if colocated:
+            self.engines.wake_up()
         self.weight_version += 1
         sync = self.weight_sync.sync(self.weight_version)
         elapsed = time.perf_counter() - started
@@ -141,11 +148,11 @@ class GRPODriver:
 
     # --- the run -----------------------------------------------------------------------------
 
-    def restore(self, resume_from: str | None) -> None:
-        source = self.checkpoints.source(resume_from)
-        if source is None:
+    def restore(self) -> None:
+        """Restore what the run plan says (``plan.resume``), if there is a checkpoint to restore."""
+        state = self.checkpoints.restore()
+        if state is None:
             return
-        state = self.checkpoints.restore(source, self.trainer.load_state)
         self.step = state["step"]
         self.weight_version = state["weight_version"]
         # The engines still hold the initial weights: push the restored ones.
@@ -177,5 +184,7 @@ class GRPODriver:
         return EXIT_OK, results
 
     def save(self) -> None:
-        self.checkpoints.save(self.step, self.trainer.save_state,
-                              {"weight_version": self.weight_version, "job": self.job.metadata.name})
+        stall = self.checkpoints.save(self.step, {"weight_version": self.weight_version,
+                                                  "job": self.job.metadata.name})
+        log.info("checkpoint step %d started: training stalled %.3f s; shards upload in the background",
+                 self.step, stall)

@@ -3,24 +3,27 @@
 The driver holds a plain ``TrainerGroup``; each method fans out to every actor and blocks until
 all ranks return (every ``TrainerWorker`` method is collective). Rank 0 picks the rendezvous
 address and a free port and hands them to the others, so nothing depends on RANK, MASTER_ADDR or
-RAY_LOCAL_WORLD_SIZE being set in the environment.
+RAY_LOCAL_WORLD_SIZE being set in the environment. How many ranks, the GPUs and Ray resources
+each asks for, where the model is and where each rank may write: all from the run plan.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import tempfile
 from contextlib import ExitStack
 from typing import Any, Callable
 
 import ray
 
+from kuberl.plan import Resume, RunPlan
 from kuberl.samples import TrainBatch
+from kuberl.train.checkpoint import CONCURRENCY_GROUP, find_checkpoint
 
 log = logging.getLogger("kuberl.train")
 
-# The custom Ray resource that `kuberl render` puts on the trainer worker group's pods.
-TRAINER_RESOURCE = "kuberl_trainer"
 CLOSE_TIMEOUT_S = 30
 
 
@@ -29,6 +32,8 @@ class TrainerActor:
 
     def __init__(self):
         self.worker = None
+        self.checkpointer = None
+        self.scratch = None
         # Holds the staged model directory (s3/gs: a temporary copy on this node) open while the
         # worker lives: export_hf reads the tokenizer from it.
         self._model_dir = ExitStack()
@@ -39,19 +44,29 @@ class TrainerActor:
             s.bind(("", 0))
             return host, s.getsockname()[1]
 
-    def setup(self, model_path: str, config, *, revision: str | None, rank: int, world_size: int,
-              master_addr: str, master_port: int, use_gpu: bool, local_rank: int, numa_policy: str) -> None:
+    def setup(self, plan: RunPlan, config, *, rank: int, master_addr: str, master_port: int,
+              numa_policy: str) -> tuple[str, str]:
+        """Returns (node id, GPU id) of this rank: where colocated engines go."""
         import torch
 
         from kuberl.metrics import start_pod_exporter
         from kuberl.storage import resolve
+        from kuberl.train.checkpoint import RankCheckpointer
         from kuberl.train.worker import TrainerWorker
 
         start_pod_exporter("trainer", rank)  # NUMA placement (kuberl_numa_*) of this pod
+        topo = plan.topology
+        use_gpu = topo.gpus_per_rank > 0
+        local_rank = rank % topo.ranks_per_pod
+        # This rank's own scratch, temp files included: nothing here is shared with another rank.
+        scratch = self.scratch = plan.rank_scratch(rank)
+        (scratch / "tmp").mkdir(parents=True, exist_ok=True)
+        os.environ["TMPDIR"] = tempfile.tempdir = str(scratch / "tmp")
 
         # Every node stages on its own (no shared filesystem); local paths pass through.
-        local_path = self._model_dir.enter_context(
-            resolve(model_path, revision=revision, trust_remote_code=config.model.trust_remote_code))
+        local_path = self._model_dir.enter_context(resolve(
+            plan.paths.model, revision=plan.paths.model_revision,
+            trust_remote_code=config.model.trust_remote_code))
 
         if use_gpu:
             from kuberl.numa import pin_current_process
@@ -61,8 +76,12 @@ class TrainerActor:
             device = torch.device("cuda", 0)
         else:
             device = torch.device("cpu")
-        self.worker = TrainerWorker(local_path, config, rank=rank, world_size=world_size,
+        self.worker = TrainerWorker(local_path, config, rank=rank, world_size=topo.world_size,
                                     master_addr=master_addr, master_port=master_port, device=device)
+        if plan.checkpoints.root:
+            self.checkpointer = RankCheckpointer(self.worker, plan.checkpoints, scratch / "checkpoints")
+            self.worker.before_update = self.checkpointer.fence
+        return ray.get_runtime_context().get_node_id(), (str(ray.get_gpu_ids()[0]) if use_gpu else "")
 
     def call(self, method: str, *args, **kwargs) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
@@ -70,8 +89,51 @@ class TrainerActor:
     def execute(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
         return fn(self.worker, *args, **kwargs)
 
+    # Checkpoints: the rank's own shards, written and uploaded from its own node.
+    def save_checkpoint(self, step: int) -> float:
+        return self.checkpointer.save(step)
+
+    @ray.method(concurrency_group=CONCURRENCY_GROUP)
+    def checkpoint_uploaded(self, step: int) -> list[dict]:
+        return self.checkpointer.uploaded(step)
+
+    @ray.method(concurrency_group=CONCURRENCY_GROUP)
+    def commit_checkpoint(self, step: int, files: list[dict], driver_state: dict) -> str:
+        return self.checkpointer.commit(step, files, driver_state)
+
+    def find_checkpoint(self, resume: Resume) -> str | None:
+        return find_checkpoint(resume)
+
+    def load_checkpoint(self, uri: str) -> dict:
+        return self.checkpointer.load(uri)
+
+    def export_hugging_face(self, target_uri: str) -> str:
+        """Collective: the full model gathered to rank 0, written on rank 0's node with the
+        model's remote-code files, and uploaded from there to ``target_uri``."""
+        import shutil
+
+        from kuberl.storage import upload_dir
+        from kuberl.train.export import copy_remote_code
+
+        out = self.scratch / "hf-export"
+        shutil.rmtree(out, ignore_errors=True)
+        self.worker.export_hf(str(out))
+        if self.worker.rank != 0:
+            return target_uri
+        try:
+            copied = copy_remote_code(self.worker.model_path, out)
+            if copied:
+                log.info("export: copied remote code %s", ", ".join(copied))
+            upload_dir(out, target_uri)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+        log.info("export: Hugging Face model at %s", target_uri)
+        return target_uri
+
     def close(self) -> None:
         try:
+            if self.checkpointer is not None:
+                self.checkpointer.close()
             if self.worker is not None:
                 self.worker.shutdown()
         finally:
@@ -79,31 +141,28 @@ class TrainerActor:
 
 
 class TrainerGroup:
-    """``model_path``: a local directory or any model URI ``kuberl.storage.resolve`` accepts
+    """``plan.paths.model``: a local directory or any model URI ``kuberl.storage.resolve`` accepts
     (s3://, gs://, hf://, pvc://): each rank resolves it on its own node."""
 
-    def __init__(self, spec, model_path: str, *, world_size: int | None = None,
-                 resources_per_worker: dict | None = None, num_cpus_per_worker: float = 1):
+    def __init__(self, spec, plan: RunPlan, *, num_cpus_per_worker: float = 1):
         from kuberl.train.worker import TrainerConfig
 
-        trainer = spec.trainer
-        per_replica = trainer.gpus_per_replica or trainer.processes_per_replica
-        self.world_size = world_size or trainer.replicas * per_replica
-        use_gpu = trainer.gpus_per_replica > 0
-        if resources_per_worker is None:
-            resources_per_worker = {TRAINER_RESOURCE: 1} if TRAINER_RESOURCE in ray.cluster_resources() else {}
-        actor_cls = ray.remote(TrainerActor).options(
-            num_cpus=num_cpus_per_worker, num_gpus=1 if use_gpu else 0, resources=resources_per_worker)
+        topo = plan.topology
+        self.world_size = topo.world_size
+        use_gpu = topo.gpus_per_rank > 0
+        resources = ({topo.trainer_resource: 1} if topo.trainer_resource in ray.cluster_resources() else {})
+        actor_cls = ray.remote(concurrency_groups={CONCURRENCY_GROUP: 1})(TrainerActor).options(
+            num_cpus=num_cpus_per_worker, num_gpus=topo.gpus_per_rank, resources=resources)
         self.actors = [actor_cls.remote() for _ in range(self.world_size)]
         master_addr, master_port = ray.get(self.actors[0].rendezvous.remote())
         config = TrainerConfig.from_spec(spec, on_gpu=use_gpu)
         log.info("trainer group: %d ranks, rendezvous %s:%d, %s", self.world_size, master_addr, master_port,
                  "NCCL on GPU" if use_gpu else "gloo on CPU")
         try:
-            ray.get([actor.setup.remote(model_path, config, revision=spec.model.revision, rank=rank, world_size=self.world_size,
-                                        master_addr=master_addr, master_port=master_port, use_gpu=use_gpu,
-                                        local_rank=rank % per_replica, numa_policy=spec.numa.policy)
-                     for rank, actor in enumerate(self.actors)])
+            # (node, GPU id) per rank: colocated engines run on these GPUs.
+            self.gpu_slots = ray.get([actor.setup.remote(plan, config, rank=rank, master_addr=master_addr,
+                                                         master_port=master_port, numa_policy=spec.numa.policy)
+                                      for rank, actor in enumerate(self.actors)])
         except Exception:
             self.shutdown()
             raise
@@ -120,14 +179,31 @@ class TrainerGroup:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return self._all("train_step", batch)[0]
 
-    def save_state(self, path: str) -> None:
-        self._all("save_state", path)
+    # --- checkpoints (kuberl.train.checkpoint) ---------------------------------------------
 
-    def load_state(self, path: str) -> None:
-        self._all("load_state", path)
+    def save_checkpoint(self, step: int) -> float:
+        """Every rank starts writing its shards; returns the longest stall a rank saw."""
+        return max(ray.get([actor.save_checkpoint.remote(step) for actor in self.actors]))
 
-    def export_hf(self, path: str) -> None:
-        self._all("export_hf", path)
+    def checkpoint_uploaded(self, step: int) -> list[dict]:
+        """Every rank's files of checkpoint ``step``, once all are durable (runs beside training)."""
+        return [f for files in ray.get([actor.checkpoint_uploaded.remote(step) for actor in self.actors])
+                for f in files]
+
+    def commit_checkpoint(self, step: int, files: list[dict], driver_state: dict) -> str:
+        return ray.get(self.actors[0].commit_checkpoint.remote(step, files, driver_state))
+
+    def find_checkpoint(self, resume: Resume) -> str | None:
+        """Asked of rank 0: the trainers hold the checkpoint credentials, the driver none."""
+        return ray.get(self.actors[0].find_checkpoint.remote(resume))
+
+    def load_checkpoint(self, uri: str) -> dict:
+        return ray.get([actor.load_checkpoint.remote(uri) for actor in self.actors])[0]
+
+    def export_hugging_face(self, target_uri: str) -> str:
+        """The trained model as a Hugging Face checkpoint at ``target_uri`` (the run plan's
+        ``checkpoints.export_uri``), written from rank 0's node: nothing passes through the driver."""
+        return ray.get([actor.export_hugging_face.remote(target_uri) for actor in self.actors])[0]
 
     def execute(self, fn: Callable[..., Any], *args, **kwargs) -> list[Any]:
         return ray.get([actor.execute.remote(fn, *args, **kwargs) for actor in self.actors])

@@ -6,16 +6,16 @@ runs the same class under torchrun on machines without Ray.
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
@@ -170,6 +170,9 @@ class TrainerWorker:
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
         self.optimizer_steps = 0
         self.skipped_steps = 0
+        # Called before anything changes the model or optimizer state: a checkpoint being written
+        # from the live state in the background (kuberl.train.checkpoint) waits there.
+        self.before_update: Callable[[], None] = lambda: None
         self.pad_id = self.hf_config.pad_token_id if self.hf_config.pad_token_id is not None else 0
 
     # ---- batching -------------------------------------------------------------------------
@@ -290,6 +293,7 @@ class TrainerWorker:
             log.warning("rank %d: non-finite grad norm %s; update skipped (%d so far)",
                         self.rank, grad_norm.item(), self.skipped_steps)
         else:
+            self.before_update()
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer_steps += 1
@@ -307,35 +311,25 @@ class TrainerWorker:
 
     # ---- state ----------------------------------------------------------------------------
 
-    def _extra_path(self, path: str) -> Path:
-        return Path(path) / f"trainer_rank{self.rank}_of{self.world_size}.pt"
-
-    def save_state(self, path: str) -> None:
-        """Model and optimizer shards (torch.distributed.checkpoint) plus, per rank, scheduler,
-        step counters and every RNG state: a resume continues bit-exactly."""
-        Path(path).mkdir(parents=True, exist_ok=True)
+    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What a checkpoint holds: the model and optimizer state for torch.distributed.checkpoint
+        (the live tensors, not copies: ``before_update`` guards them until they are written) and
+        this rank's own part, copied now: scheduler, step counters and every RNG state, so that a
+        resume continues bit-exactly."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-        torch.save({"scheduler": self.scheduler.state_dict(), "optimizer_steps": self.optimizer_steps,
-                    "skipped_steps": self.skipped_steps, "rng": _rng_state()}, self._extra_path(path))
-        dist.barrier()
+        extra = {"scheduler": copy.deepcopy(self.scheduler.state_dict()), "optimizer_steps": self.optimizer_steps,
+                 "skipped_steps": self.skipped_steps, "rng": _rng_state()}
+        return {"model": model_sd, "optim": optim_sd}, extra
 
-    def load_state(self, path: str) -> None:
-        extra_path = self._extra_path(path)
-        # Decided together: a rank raising alone would leave the others waiting in dcp.load.
-        missing = torch.tensor([0.0 if extra_path.exists() else 1.0], device=self.device)
-        dist.all_reduce(missing)
-        if missing.item():
-            found = sorted(p.name for p in Path(path).glob("trainer_rank*.pt"))
-            raise FileNotFoundError(f"{path}: {int(missing.item())} of {self.world_size} ranks find no "
-                                    f"trainer_rank<r>_of{self.world_size}.pt; the checkpoint is incomplete or was written by a "
-                                    f"different number of trainer ranks ({found[:4]}); resume with the same world size")
+    def restore_state(self, load: Callable[[dict[str, Any]], None], extra: dict[str, Any]) -> None:
+        """``load`` fills the model/optimizer state in place (dcp.load); ``extra`` is this rank's
+        part as ``checkpoint_state`` returned it."""
+        self.before_update()
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path)
+        load(state)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
-        extra = torch.load(extra_path, weights_only=True)
         self.scheduler.load_state_dict(extra["scheduler"])
         self.optimizer_steps = extra["optimizer_steps"]
         self.skipped_steps = extra["skipped_steps"]

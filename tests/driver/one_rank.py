@@ -1,0 +1,55 @@
+"""One real trainer rank without Ray or a model download: a gloo world of one, a small stack of
+FSDP2-sharded Linear layers and AdamW after one step, held by the real ``TrainerWorker`` methods
+that checkpoints use (``checkpoint_state``, ``restore_state``). Shared by the checkpoint tests and
+the subprocess they kill."""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+import torch.distributed as dist
+
+from kuberl.train.worker import TrainerWorker
+
+
+class OneRank(TrainerWorker):
+    def __init__(self, layers: int = 2, dim: int = 64, seed: int = 0):  # noqa: D107 - no super(): no model to load
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if not dist.is_initialized():
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        self.rank, self.world_size, self.device = 0, 1, torch.device("cpu")
+        torch.manual_seed(seed)
+        mesh = init_device_mesh("cpu", (1,))
+        self.model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
+        for layer in self.model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
+        self.optimizer_steps = self.skipped_steps = 0
+        self.before_update = lambda: None
+        self.step()
+
+    def step(self) -> None:
+        """One optimizer step, guarded as ``TrainerWorker.train_step`` guards it."""
+        dim = self.model[0].in_features
+        self.model(torch.randn(4, dim)).square().mean().backward()
+        self.before_update()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+
+    def values(self) -> list[float]:
+        out = []
+        for p in self.model.parameters():
+            out.append(float(p.detach().to_local().sum(dtype=torch.float64)))
+            for key in ("exp_avg", "exp_avg_sq"):
+                out.append(float(self.optimizer.state[p][key].to_local().sum(dtype=torch.float64)))
+        return out
