@@ -40,7 +40,7 @@ PRESETS = {
     "h100": dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=24, num_attention_heads=32,
                  num_key_value_heads=4, head_dim=128, dense_intermediate_size=6144, seq_len=4096,
                  moe_layers=8, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768,
-                 samples=4, pack_samples=32, pack_prompt=128, pack_response=(64, 4096), memory_tokens=16384),
+                 samples=8, pack_samples=32, pack_prompt=128, pack_response=(64, 4096), memory_tokens=16384),
     "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, dense_intermediate_size=128, seq_len=128,
                  moe_layers=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -209,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="h100")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
-    parser.add_argument("--dense-variants", default="before,ckpt-all,ckpt-half,no-ckpt",
-                        help="before = the previous path; the others: this change with full / every-other-layer / no "
-                             "activation checkpointing")
+    parser.add_argument("--dense-variants", default="before,ckpt-all,ckpt-half,ckpt-quarter",
+                        help="before = the previous path; the others: this change with activation checkpointing on "
+                             "every / every other / every fourth layer, or none (no-ckpt)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -263,8 +263,9 @@ def main(argv: list[str] | None = None) -> int:
             "before": (ModelOptions(param_dtype=dtype, attn_implementation="sdpa", logprob_chunk_tokens=0,
                                     compile_layers=False, reshard_after_forward=True), dict(micro_batch_size=1,
                                                                                           foreach_adamw=True)),
-            "ckpt-all": (ModelOptions(**new), dict(micro_batch_tokens=preset["samples"] * seq)),
-            "ckpt-half": (ModelOptions(**new, checkpoint_every=2), dict(micro_batch_tokens=2 * seq)),
+            "ckpt-all": (ModelOptions(**new), dict(micro_batch_tokens=4 * seq)),
+            "ckpt-half": (ModelOptions(**new, checkpoint_every=2), dict(micro_batch_tokens=4 * seq)),
+            "ckpt-quarter": (ModelOptions(**new, checkpoint_every=4), dict(micro_batch_tokens=4 * seq)),
             "no-ckpt": (ModelOptions(**new, gradient_checkpointing=False), dict(micro_batch_tokens=seq)),
         }
         for name in args.dense_variants.split(","):
@@ -275,9 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         config = make_config(preset, moe=False)
         batch = rl_batch(world * preset["pack_samples"], preset["pack_prompt"], preset["pack_response"],
                          config.vocab_size, seed=2)
-        budget = preset["samples"] * seq
+        budget = 4 * seq
         record(run_trainer, "padded", config, ModelOptions(param_dtype=dtype), batch, args, **kw,
-               micro_batch_size=preset["samples"])
+               micro_batch_size=4)
         record(run_trainer, "packed", config, ModelOptions(param_dtype=dtype), batch, args, **kw,
                micro_batch_tokens=budget)
     if "moe" in sections:
@@ -286,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         batch = uniform_batch(world * preset["samples"], seq, config.vocab_size, seed=3)
         record(run_trainer, "moe grouped", config, ModelOptions(param_dtype=dtype), batch, args, **kw,
                micro_batch_tokens=2 * seq)
+        record(run_trainer, "moe grouped ckpt-half", config, ModelOptions(param_dtype=dtype, checkpoint_every=2), batch,
+               args, **kw, micro_batch_tokens=2 * seq)
         record(run_trainer, "moe stock", config, ModelOptions(param_dtype=dtype, moe_experts="stock",
                                                               compile_layers=False), batch, args, **kw,
                micro_batch_tokens=2 * seq)

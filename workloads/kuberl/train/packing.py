@@ -54,15 +54,18 @@ def _varlen_attention(query, key, value, cu, max_len, scaling):
     # (1, heads, T, D) -> (T, heads, D)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     params = inspect.signature(varlen_attn).parameters
-    if "window_size" in params:  # torch >= 2.12: causal as a window, GQA native
-        out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0),
-                          enable_gqa=q.shape[1] != k.shape[1])
-    else:  # torch 2.10-2.11: is_causal, equal head counts
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
+    groups = q.shape[1] // k.shape[1]
+    kwargs = {"scale": scaling} if "scale" in params else {}
+    if groups > 1:
+        if "enable_gqa" in params:  # torch >= 2.12
+            kwargs["enable_gqa"] = True
+        else:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        kwargs = {"scale": scaling} if "scale" in params else {}
-        out = varlen_attn(q, k, v, cu, cu, max_len, max_len, is_causal=True, **kwargs)
+    if "window_size" in params:  # causal as a window (torch >= 2.11)
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
     return out.unsqueeze(0)  # (1, T, heads, D)
 
 
