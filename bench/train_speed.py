@@ -289,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                micro_batch_tokens=2 * seq)
         record(run_trainer, "moe grouped ckpt-half", config, ModelOptions(param_dtype=dtype, checkpoint_every=2), batch,
                args, **kw, micro_batch_tokens=2 * seq)
+        record(run_trainer, "moe grouped ckpt-quarter", config, ModelOptions(param_dtype=dtype, checkpoint_every=4),
+               batch, args, **kw, micro_batch_tokens=2 * seq)
         record(run_trainer, "moe stock", config, ModelOptions(param_dtype=dtype, moe_experts="stock",
                                                               compile_layers=False), batch, args, **kw,
                micro_batch_tokens=2 * seq)
