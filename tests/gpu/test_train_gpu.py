@@ -99,3 +99,36 @@ def test_two_nccl_ranks_train_tiny_moe_and_skip_non_finite(tmp_path):
         assert all(m["skipped"] == 0.0 and m["grad_norm"] > 0 for m in r["metrics"])
         assert r["bad"]["skipped"] == 1.0
         assert r["same_params"] and r["same_optim"]
+
+
+def test_packed_varlen_attention_matches_per_sample_causal_sdpa():
+    from kuberl.train.packing import attention_kwargs, packed_attention_forward
+
+    lengths = [5, 130, 1, 77, 300]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 8, sum(lengths), 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(1, 2, sum(lengths), 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    out, _ = packed_attention_forward(None, q, k, v, None, scaling=0.125, **attention_kwargs(lengths, q.device))
+    offset = 0
+    for n in lengths:
+        sl = slice(offset, offset + n)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, sl].float(), k[:, :, sl].float().repeat_interleave(4, 1), v[:, :, sl].float().repeat_interleave(4, 1),
+            is_causal=True, scale=0.125).transpose(1, 2)
+        assert _rel_err(out[:, sl], ref) < 1e-2
+        offset += n
+
+
+def test_chunked_logprobs_match_full_logits_in_bf16():
+    from kuberl.train.logprobs import chunked_logprobs_entropy, full_logprobs_entropy
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(3000, 256, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    weight = (torch.randn(5000, 256, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05).requires_grad_()
+    targets = torch.randint(0, 5000, (3000,), device="cuda", generator=g)
+    outs = []
+    for fn, kw in ((chunked_logprobs_entropy, {"chunk_tokens": 1024}), (full_logprobs_entropy, {})):
+        lp, ent = fn(hidden, weight, targets, temperature=0.8, **kw)
+        outs.append((lp, ent, *torch.autograd.grad(lp.sum() - 0.1 * ent.sum(), [hidden, weight])))
+    for ours, ref in zip(*outs):
+        assert _rel_err(ours, ref) < 1e-2

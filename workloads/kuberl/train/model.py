@@ -1,6 +1,8 @@
 """A Hugging Face causal LM as an FSDP2 module: meta-device build on every rank, real weights
 read once on rank 0 and broadcast in coalesced buckets, ``fully_shard`` per decoder layer then
-the root, optional non-reentrant activation checkpointing and the every-expert MoE path."""
+the root, optional non-reentrant activation checkpointing (every layer or every n-th), each
+decoder layer's forward compiled on GPU, packed-sequence attention, the chunked log-prob head
+and the every-expert MoE path."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from kuberl.train.logprobs import DEFAULT_CHUNK_TOKENS, use_logprob_head
 from kuberl.train.moe import use_grouped_experts
+from kuberl.train.packing import PACKED_ATTENTION, register_packed_attention
 
 BROADCAST_BUCKET_BYTES = 256 << 20
 
@@ -22,12 +26,24 @@ BROADCAST_BUCKET_BYTES = 256 << 20
 class ModelOptions:
     trust_remote_code: bool = False
     gradient_checkpointing: bool = True
+    # With checkpointing on: recompute every n-th decoder layer only (1 = all; 2 = half the
+    # recompute, more activation memory).
+    checkpoint_every: int = 1
     # Compute dtype under FSDP2 mixed precision; master weights and gradient reduction stay fp32.
     param_dtype: torch.dtype = torch.float32
     # "grouped" | "loop": our every-expert path; "stock": the library's own experts (benchmarks
     # and the failure-mode test only).
     moe_experts: str = "grouped"
-    attn_implementation: str = "sdpa"
+    # Ours handles packed rows (document-masked varlen) and plain causal rows; "sdpa" is the
+    # library's own (padding masks built per forward).
+    attn_implementation: str = PACKED_ATTENTION
+    # Log-prob/entropy head: rows per chunk; 0 materialises [tokens x vocab] logits (reference).
+    logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    # torch.compile each decoder layer's forward; None: on when the model is on a GPU.
+    compile_layers: bool | None = None
+    # FSDP2 frees each layer's gathered parameters after forward; None: only when sharded over
+    # more than one rank (one rank holds every parameter anyway, freeing only adds a gather).
+    reshard_after_forward: bool | None = None
     broadcast_bucket_bytes: int = BROADCAST_BUCKET_BYTES
 
 
@@ -39,6 +55,8 @@ def load_config(model_path: str, options: ModelOptions):
 
 
 def prepare_config(config, options: ModelOptions):
+    if options.attn_implementation == PACKED_ATTENTION:
+        register_packed_attention()
     config._attn_implementation = options.attn_implementation
     if options.moe_experts == "stock":
         # The library's per-expert Python loop, i.e. what a plain from_pretrained trains with
@@ -54,6 +72,7 @@ def _build(config, options: ModelOptions) -> nn.Module:
                                              dtype=torch.float32)
     if options.moe_experts != "stock":
         use_grouped_experts(model, options.moe_experts)
+    use_logprob_head(model, options.logprob_chunk_tokens)
     return model
 
 
@@ -68,11 +87,23 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, options: ModelOptions, *, trainable: bool = True) -> nn.Module:
+    layers = decoder_layers(model)
     if options.gradient_checkpointing and trainable:
+        if options.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {options.checkpoint_every}")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for i, layer in enumerate(layers):
+            layer.gradient_checkpointing = i % options.checkpoint_every == 0
+    compile_layers = options.compile_layers if options.compile_layers is not None else mesh.device_type == "cuda"
+    if compile_layers:
+        # The layer's forward only: FSDP's unshard/reshard hooks and the checkpoint wrapper stay
+        # eager around it; repeated layers share one compiled graph.
+        for layer in layers:
+            layer.forward = torch.compile(layer.forward)
     mp = MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=torch.float32)
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    reshard = options.reshard_after_forward if options.reshard_after_forward is not None else mesh.size() > 1
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     # The root group holds the embeddings, final norm and LM head: tied weights stay one parameter.
     fully_shard(model, mesh=mesh, mp_policy=mp)
     if not trainable:

@@ -1,0 +1,207 @@
+"""Per-token log-probs and entropy straight from hidden states, chunked over tokens.
+
+The RL loss needs, per trained token, ``log p(target)`` and the entropy of the next-token
+distribution. Computing them from ``model(...).logits`` materialises ``[tokens x vocab]`` logits,
+then their fp32 copy, log-softmax and ``exp``: at vocab 151,936 that is ~0.6 GB per 1k tokens per
+tensor, kept for backward. ``TokenLogProbHead`` replaces the model's ``lm_head`` (same weight
+parameter, same state-dict key) and, when asked, computes only the rows that are trained on, in
+chunks of ``chunk_tokens`` rows; its backward recomputes each chunk's logits, so what is kept for
+backward is the hidden states and two floats per token. Without a request it is the plain linear
+head (exports, ``generate``).
+
+Gradients, with ``z`` the temperature-scaled logits of one row, ``p = softmax(z)``,
+``H = -sum p log p``:  ``d log p_t / dz = onehot(t) - p`` and ``dH / dz = -p * (log p + H)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+log = logging.getLogger("kuberl.train")
+
+# Rows per chunk: 1024 x 151,936 fp32 logits is 0.6 GB; a chunk's logits matmul is still ~0.6
+# TFLOP, far past launch overhead. Peak memory at this default: bench/train_speed.py --memory.
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """float32 for low-precision logits, float64 stays float64 (tests)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_forward(logits: torch.Tensor, targets: torch.Tensor, inv_temp: float, with_entropy: bool):
+    z = logits.to(_acc(logits.dtype)) * inv_temp
+    lse = torch.logsumexp(z, dim=-1)
+    logprobs = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return logprobs, lse, None
+    p = torch.exp(z - lse[:, None])
+    entropy = lse - (p * z).sum(-1)
+    return logprobs, lse, entropy
+
+
+def _chunk_grad_logits(logits: torch.Tensor, inv_temp: float, lse: torch.Tensor, entropy: torch.Tensor | None,
+                       grad_lp: torch.Tensor, grad_ent: torch.Tensor | None) -> torch.Tensor:
+    """d loss / d logits without the one-hot term of the log-prob (added sparsely by the caller)."""
+    log_p = logits.to(_acc(logits.dtype)) * inv_temp - lse[:, None]
+    p = torch.exp(log_p)
+    coef = grad_lp[:, None]
+    if grad_ent is not None:
+        coef = coef + grad_ent[:, None] * (log_p + entropy[:, None])
+    return (-p * coef * inv_temp).to(logits.dtype)
+
+
+_COMPILED: dict = {}
+
+
+def _fused(fn, like: torch.Tensor):
+    """On CUDA, ``fn`` compiled (its elementwise passes over a chunk's logits fuse into few
+    kernels, and fewer fp32 temporaries live at once); elsewhere ``fn`` itself."""
+    if like.device.type != "cuda":
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
+
+
+class _ChunkedLogProbEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_temp, chunk, with_entropy):
+        n = hidden.shape[0]
+        acc = _acc(hidden.dtype)
+        logprobs = hidden.new_empty(n, dtype=acc)
+        lse = hidden.new_empty(n, dtype=acc)
+        entropy = hidden.new_empty(n, dtype=acc) if with_entropy else None
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            lp, l, ent = _fused(_chunk_forward, hidden)(hidden[lo:hi] @ weight.t(), targets[lo:hi], inv_temp,
+                                                        with_entropy)
+            logprobs[lo:hi], lse[lo:hi] = lp, l
+            if with_entropy:
+                entropy[lo:hi] = ent
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy if with_entropy else lse)
+        ctx.inv_temp, ctx.chunk, ctx.with_entropy = inv_temp, chunk, with_entropy
+        if with_entropy:
+            return logprobs, entropy
+        no_entropy = torch.zeros_like(logprobs)
+        ctx.mark_non_differentiable(no_entropy)
+        return logprobs, no_entropy
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        inv_temp, chunk = ctx.inv_temp, ctx.chunk
+        if not ctx.with_entropy:
+            grad_ent, entropy = None, None
+        n = hidden.shape[0]
+        grad_lp = grad_lp if grad_lp is not None else torch.zeros_like(lse)
+        grad_hidden = torch.empty_like(hidden)
+        # fp32 accumulator across chunks: bf16 sums over many chunks would lose the small ones.
+        acc = lse.dtype
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            h = hidden[lo:hi]
+            g = _fused(_chunk_grad_logits, hidden)(h @ weight.t(), inv_temp, lse[lo:hi], None if entropy is None else entropy[lo:hi],
+                                   grad_lp[lo:hi], None if grad_ent is None else grad_ent[lo:hi])
+            grad_hidden[lo:hi] = g @ weight
+            grad_weight += (g.t() @ h).to(acc)
+        # The one-hot term of d log p_t / dz, sparse: row i adds grad_lp[i] * inv_temp at column t_i.
+        onehot = (grad_lp * inv_temp)[:, None]
+        grad_hidden += (onehot * weight[targets].to(acc)).to(hidden.dtype)
+        grad_weight.index_add_(0, targets, onehot * hidden.to(acc))
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+def chunked_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                             temperature: float = 1.0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                             with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``hidden`` ``(n, H)``, ``weight`` ``(V, H)``, ``targets`` ``(n,)``: fp32 ``log p(target)``
+    and (``with_entropy``) entropy per row of ``softmax(hidden @ weight.T / temperature)``."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    lp, ent = _ChunkedLogProbEntropy.apply(hidden, weight, targets, 1.0 / temperature, chunk_tokens, with_entropy)
+    return lp, ent if with_entropy else None
+
+
+def full_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                          temperature: float = 1.0, with_entropy: bool = True):
+    """The unchunked reference: all logits, their fp32 log-softmax, kept for autograd."""
+    logits = hidden @ weight.t()
+    log_p = torch.log_softmax(logits.to(_acc(logits.dtype)) / temperature, dim=-1)
+    lp = log_p.gather(-1, targets[:, None]).squeeze(-1)
+    return lp, (-(log_p.exp() * log_p).sum(-1) if with_entropy else None)
+
+
+@dataclass
+class LogProbRequest:
+    """Rows of the flattened ``(batch * length)`` hidden states to score, and their targets."""
+
+    rows: torch.Tensor
+    targets: torch.Tensor
+    temperature: float
+    with_entropy: bool
+
+
+class TokenLogProbHead(nn.Module):
+    """Drop-in for a bias-free ``lm_head``: plain logits, or with ``request`` set, a ``(rows, 2)``
+    tensor of log-prob and entropy (entropy 0 when not requested) for the requested rows only.
+    ``chunk_tokens`` 0 computes them through full logits (the unchunked reference)."""
+
+    def __init__(self, weight: nn.Parameter, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+        super().__init__()
+        self.weight = weight
+        self.chunk_tokens = chunk_tokens
+        self.request: LogProbRequest | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        req = self.request
+        if req is None:
+            return F.linear(hidden, self.weight)
+        flat = hidden.reshape(-1, hidden.shape[-1])[req.rows]
+        if self.chunk_tokens:
+            lp, ent = chunked_logprobs_entropy(flat, self.weight, req.targets, temperature=req.temperature,
+                                               chunk_tokens=self.chunk_tokens, with_entropy=req.with_entropy)
+        else:
+            lp, ent = full_logprobs_entropy(flat, self.weight, req.targets, temperature=req.temperature,
+                                            with_entropy=req.with_entropy)
+        return torch.stack([lp, ent if ent is not None else torch.zeros_like(lp)], dim=-1)
+
+
+def use_logprob_head(model: nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> TokenLogProbHead:
+    """Swap ``model.lm_head`` for a ``TokenLogProbHead`` sharing its weight (tied stays tied)."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        raise NotImplementedError(f"{type(model).__name__}: output head {type(head).__name__} is not a bias-free "
+                                  f"Linear; the chunked log-prob head supports only that")
+    ours = TokenLogProbHead(head.weight, chunk_tokens)
+    model.set_output_embeddings(ours)
+    return ours
+
+
+def score_tokens(model: nn.Module, model_inputs: dict, rows: torch.Tensor, cols: torch.Tensor,
+                 targets: torch.Tensor, grid_shape: tuple[int, int], *, temperature: float,
+                 with_entropy: bool):
+    """Run ``model`` and return ``(logprobs, entropy, output)`` as ``grid_shape`` grids (zeros
+    outside the scored positions). Position ``(r, c)`` of the grid is hidden state ``(r, c)`` of
+    the input, predicting ``targets`` at that position."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, TokenLogProbHead):
+        raise TypeError("score_tokens needs the model built with use_logprob_head")
+    length = model_inputs["input_ids"].shape[1]
+    head.request = LogProbRequest(rows=rows * length + cols, targets=targets, temperature=temperature,
+                                  with_entropy=with_entropy)
+    try:
+        out = model(**model_inputs)
+    finally:
+        head.request = None
+    scored = out.logits
+    zeros = scored.new_zeros(grid_shape)
+    logprobs = zeros.index_put((rows, cols), scored[:, 0])
+    entropy = zeros.index_put((rows, cols), scored[:, 1]) if with_entropy else None
+    return logprobs, entropy, out

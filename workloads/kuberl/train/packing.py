@@ -1,0 +1,155 @@
+"""Packed variable-length micro-batches: samples laid end to end in one row, no padding.
+
+RL responses range from a few tokens to ``maxResponseLength``; padding each micro-batch to its
+longest sample spends compute on pad tokens. Packed, a micro-batch is one row of the samples'
+tokens back to back, position ids restart at 0 for each sample, and attention is causal within
+each sample only (document masking). Micro-batches are filled up to a token budget
+(``micro_batch_tokens``) instead of a fixed sample count.
+
+Attention goes through ``PACKED_ATTENTION``, registered with transformers' ``AttentionInterface``:
+with ``cu_seq_lens_q`` in the forward kwargs it runs varlen attention (CUDA: PyTorch's own
+flash-attention varlen kernel, ``torch.nn.attention.varlen``), otherwise a block-diagonal causal
+mask through SDPA (CPU, and GPUs without the varlen kernel). Without packing kwargs it is plain
+causal SDPA: right-padded rows need no mask under causal attention, since no real token attends
+to a later position. transformers builds no mask for an attention implementation it does not
+know, so none of the ``[length x length]`` masks is ever allocated here.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch.nn import functional as F
+
+PACKED_ATTENTION = "kuberl_packed"
+
+
+def split_by_tokens(lengths: list[int], budget: int) -> list[tuple[int, int]]:
+    """Consecutive ``[lo, hi)`` ranges of samples whose lengths sum to at most ``budget`` (a
+    longer sample gets a range of its own). Order is kept, so results map back to samples."""
+    if budget < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1, got {budget}")
+    ranges, lo, used = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > lo and used + n > budget:
+            ranges.append((lo, i))
+            lo, used = i, 0
+        used += n
+    if lo < len(lengths):
+        ranges.append((lo, len(lengths)))
+    return ranges
+
+
+def _varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _varlen_attention(query, key, value, cu, max_len, scaling):
+    varlen_attn = _varlen()
+    # (1, heads, T, D) -> (T, heads, D)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    params = inspect.signature(varlen_attn).parameters
+    groups = q.shape[1] // k.shape[1]
+    kwargs = {"scale": scaling} if "scale" in params else {}
+    if groups > 1:
+        if "enable_gqa" in params:  # torch >= 2.12
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if "window_size" in params:  # causal as a window (torch >= 2.11)
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+    return out.unsqueeze(0)  # (1, T, heads, D)
+
+
+def _masked_sdpa_attention(query, key, value, cu, scaling):
+    length = query.shape[2]
+    doc = torch.searchsorted(cu[1:], torch.arange(length, device=query.device), right=True)
+    pos = torch.arange(length, device=query.device)
+    mask = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2)
+
+
+@torch.compiler.disable  # varlen's int arguments change per micro-batch: keep it out of compiled blocks
+def packed_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                             scaling: float | None = None, **kwargs):
+    """transformers attention interface: ``query`` ``(B, heads, T, D)`` -> ``((B, T, heads, D), None)``."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention takes one packed row, got batch {query.shape[0]}")
+    if query.is_cuda and _varlen() is not None:
+        out = _varlen_attention(query, key, value, cu, kwargs["max_length_q"], scaling)
+    else:
+        out = _masked_sdpa_attention(query, key, value, cu, scaling)
+    return out, None
+
+
+def register_packed_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+
+
+def attention_kwargs(lengths: list[int], device: torch.device) -> dict:
+    """Model forward kwargs that make ``PACKED_ATTENTION`` treat one row as these documents."""
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    cu = cu.to(device)
+    longest = max(lengths)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def position_ids(lengths: list[int], device: torch.device) -> torch.Tensor:
+    return torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+
+
+def packed_fields(samples, old_logprobs, ref_logprobs, device: torch.device,
+                  weights: list[float] | None = None) -> dict:
+    """The tensors of one packed micro-batch (``worker.MicroBatch`` fields): every grid is
+    ``(1, T-1)``, position t predicting token t+1; the positions that cross from one sample into
+    the next are never in the mask. Advantages are per token (each sample's on its own tokens)."""
+    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    lengths = [len(x) for x in seqs]
+    width = sum(lengths) - 1
+    ids = torch.tensor([t for seq in seqs for t in seq], dtype=torch.long)[None]
+    mask = torch.zeros(1, width)
+    advantages = torch.zeros(1, width)
+    old = torch.zeros(1, width) if old_logprobs is not None else None
+    ref = torch.zeros(1, width) if ref_logprobs is not None else None
+    starts, offset = [], 0
+    for i, (s, n) in enumerate(zip(samples, lengths)):
+        start = offset + len(s.prompt_ids) - 1
+        end = start + len(s.response_ids)
+        starts.append(start)
+        w = 1.0 if weights is None else weights[i]
+        mask[0, start:end] = w * (torch.tensor(s.loss_mask, dtype=torch.float32) if s.loss_mask is not None else 1.0)
+        advantages[0, start:end] = s.advantage
+        if old is not None:
+            old[0, start:end] = torch.tensor(old_logprobs[i], dtype=torch.float32)
+        if ref is not None:
+            ref[0, start:end] = torch.tensor(ref_logprobs[i], dtype=torch.float32)
+        offset += n
+    return dict(
+        input_ids=ids.to(device), attention_mask=None, targets=ids[:, 1:].to(device), mask=mask.to(device),
+        response_lengths=[len(s.response_ids) for s in samples], response_starts=starts,
+        response_rows=[0] * len(samples), advantages=advantages.to(device),
+        old_logprobs=old.to(device) if old is not None else None,
+        ref_logprobs=ref.to(device) if ref is not None else None,
+        position_ids=position_ids(lengths, device), attention_kwargs=attention_kwargs(lengths, device),
+    )
