@@ -101,7 +101,7 @@ BAD_MANIFESTS: list[BadManifest] = [
                 "checkpoint.resume names the checkpoint root itself"),
     BadManifest("export_without_uri", _set("spec.checkpoint", {"exportHuggingFace": True}),
                 "checkpoint.exportHuggingFace needs checkpoint.uri"),
-    BadManifest("reward_both", _set("spec.reward", {"builtin": "math_exact_match", "function": "my.mod:fn"}),
+    BadManifest("reward_both", _set("spec.reward", {"builtin": "gsm8k_strict", "function": "my.mod:fn"}),
                 "reward: set exactly one of builtin or function"),
     BadManifest("reward_neither", _set("spec.reward", {}), "reward: set exactly one of builtin or function"),
     BadManifest("reward_function_malformed", _set("spec.reward", {"function": "my reward"}), "spec.reward.function"),

@@ -37,6 +37,8 @@ class EnginePool:
         rollout = spec.rollout
         gpus = 0 if rollout.gpus_per_replica == 0 and not rollout.colocate else rollout.tensor_parallel_size
         options = {"num_cpus": 1, "num_gpus": gpus, "max_concurrency": 1000}
+        if rollout.env:
+            options["runtime_env"] = {"env_vars": dict(rollout.env)}
         if ray.cluster_resources().get(ROLLOUT_RESOURCE, 0) > 0:
             options["resources"] = {ROLLOUT_RESOURCE: 1}
         actor_cls = ray.remote(RolloutEngine)
@@ -48,13 +50,14 @@ class EnginePool:
         self._server = None
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, max_tokens: int,
-                 seed: int | None = None) -> list[list[Sample]]:
-        """Contiguous shares of ``prompts`` per engine; results in prompt order."""
+                 seed: int | None = None, **sampling) -> list[list[Sample]]:
+        """Contiguous shares of ``prompts`` per engine; results in prompt order. ``sampling``:
+        ``top_p``, ``top_k``, ``stop`` (``RolloutEngine.generate``)."""
         if not prompts:
             return []
         per = -(-len(prompts) // len(self.engines))
         refs = [engine.generate.remote(prompts[lo:lo + per], n, temperature=temperature,
-                                       max_tokens=max_tokens, seed=seed, group_offset=lo)
+                                       max_tokens=max_tokens, seed=seed, group_offset=lo, **sampling)
                 for engine, lo in zip(self.engines, range(0, len(prompts), per))]
         return [group for share in ray.get(refs) for group in share]
 

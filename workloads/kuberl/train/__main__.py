@@ -44,7 +44,7 @@ def embedded_job(root: Path) -> RLTrainingJob:
             "data": {"uri": str(data)},
             "reward": {"builtin": "repeat_letter"},
             "algorithm": {"groupSize": 8, "promptsPerStep": 8, "microBatchSize": 16, "totalSteps": 40,
-                          "learningRate": 3e-3, "klCoef": 0.0, "seed": 7},
+                          "learningRate": 3e-3, "klCoef": 0.0, "weightDecay": 0.0, "seed": 7},
             "trainer": {"gpusPerReplica": 0, "processesPerReplica": 2, "paramDtype": "float32",
                         "gradientCheckpointing": False},
             "rollout": {"gpusPerReplica": 0, "maxPromptLength": 64, "maxResponseLength": 16},
@@ -87,8 +87,10 @@ def run(job: RLTrainingJob, work_dir: Path, *, max_steps: int | None = None, res
     from kuberl.sync import make_weight_sync
     from kuberl.train.checkpoint import CheckpointManager
     from kuberl.train.driver import GRPODriver, Preemption
+    from kuberl.train.export import export_hugging_face
     from kuberl.train.group import TrainerGroup
     from kuberl.train.report import reporter_from_env
+    from kuberl.train.tracking import make_trackers
 
     spec = job.spec
     if not ray.is_initialized():
@@ -111,6 +113,8 @@ def run(job: RLTrainingJob, work_dir: Path, *, max_steps: int | None = None, res
             "KUBERL_MODEL_PATH", spec.model.uri, revision=spec.model.revision,
             trust_remote_code=spec.model.trust_remote_code))
         data_path = stack.enter_context(local_input("KUBERL_DATA_PATH", spec.data.uri))
+        validation_path = (stack.enter_context(local_input("KUBERL_VALIDATION_DATA_PATH", spec.validation.uri))
+                           if spec.validation is not None else None)
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=spec.model.trust_remote_code)
         trainer = TrainerGroup(spec, model_path)
         stack.callback(trainer.shutdown)
@@ -120,14 +124,21 @@ def run(job: RLTrainingJob, work_dir: Path, *, max_steps: int | None = None, res
         weight_sync = make_weight_sync(spec, trainer, engines)
         weight_sync.setup()
         checkpoints = CheckpointManager(spec.checkpoint, work_dir / "checkpoints", on_committed=reporter.checkpoint)
+        trackers = make_trackers(spec.tracking, run_name=job.metadata.name,
+                                 run_id=job.metadata.uid or job.metadata.name,
+                                 config=job.model_dump(mode="json", by_alias=True, exclude_none=True)["spec"],
+                                 work_dir=work_dir)
+
+        def export_at(step: int) -> None:
+            export_hugging_face(trainer, model_path, spec, work_dir / f"hf-step-{step}", name=f"hf-step-{step}")
+
         driver = GRPODriver(job, trainer=trainer, engines=engines, weight_sync=weight_sync, tokenizer=tokenizer,
                             data_path=data_path, checkpoints=checkpoints, reporter=reporter, preemption=preemption,
-                            metrics_file=metrics_file)
+                            metrics_file=metrics_file, validation_path=validation_path, trackers=trackers,
+                            exporter=export_at)
         driver.restore(resume_from or job.metadata.annotations.get(RESUME_ANNOTATION))
         code, _ = driver.run(max_steps)
-        if code == 0 and spec.checkpoint.export_hugging_face and driver.step >= spec.algorithm.total_steps:
-            from kuberl.train.export import export_hugging_face
-
+        if code == 0 and spec.checkpoint.export_hugging_face and driver.step >= driver.total_steps:
             export_hugging_face(trainer, model_path, spec, work_dir / "hf-export")
         return code
 

@@ -61,9 +61,9 @@ def copy_remote_code(source: Path, dest: Path) -> list[str]:
     return sorted(copied)
 
 
-def export_hugging_face(trainer: Any, model_path: str | Path, spec: Any, out_dir: Path) -> str:
+def export_hugging_face(trainer: Any, model_path: str | Path, spec: Any, out_dir: Path, name: str = "hf") -> str:
     """Export the trained model to ``out_dir`` and, when the job has a checkpoint URI, upload it
-    to ``<checkpoint.uri>/hf``. Returns where it is."""
+    to ``<checkpoint.uri>/<name>`` (periodic exports: ``hf-step-<n>``). Returns where it is."""
     out_dir = Path(out_dir)
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
@@ -76,7 +76,7 @@ def export_hugging_face(trainer: Any, model_path: str | Path, spec: Any, out_dir
     from kuberl.storage import upload_dir
     from kuberl.uri import parse
 
-    target = parse(spec.checkpoint.uri, "spec.checkpoint.uri").join("hf")
+    target = parse(spec.checkpoint.uri, "spec.checkpoint.uri").join(name)
     upload_dir(out_dir, target)
     log.info("export: Hugging Face model at %s", target)
     return target

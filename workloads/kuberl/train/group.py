@@ -93,7 +93,8 @@ class TrainerGroup:
         if resources_per_worker is None:
             resources_per_worker = {TRAINER_RESOURCE: 1} if TRAINER_RESOURCE in ray.cluster_resources() else {}
         actor_cls = ray.remote(TrainerActor).options(
-            num_cpus=num_cpus_per_worker, num_gpus=1 if use_gpu else 0, resources=resources_per_worker)
+            num_cpus=num_cpus_per_worker, num_gpus=1 if use_gpu else 0, resources=resources_per_worker,
+            **({"runtime_env": {"env_vars": dict(spec.rollout.env)}} if spec.rollout.env else {}))
         self.actors = [actor_cls.remote() for _ in range(self.world_size)]
         master_addr, master_port = ray.get(self.actors[0].rendezvous.remote())
         config = TrainerConfig.from_spec(spec, on_gpu=use_gpu)

@@ -43,6 +43,8 @@ class TrainerConfig:
     clip_low: float = 0.2
     clip_high: float = 0.28
     micro_batch_size: int = 4
+    log_prob_micro_batch_size: int | None = None  # default: micro_batch_size
+    kl_clamp: float | None = None
     temperature: float = 1.0
     seed: int = 42
     router_aux_loss_coef: float = 0.0
@@ -57,6 +59,7 @@ class TrainerConfig:
             max_grad_norm=algo.max_grad_norm, kl_coef=algo.kl_coef, entropy_coef=algo.entropy_coef,
             clip_low=algo.clip_ratio_low, clip_high=algo.clip_ratio_high,
             micro_batch_size=algo.micro_batch_size, temperature=algo.temperature, seed=algo.seed,
+            log_prob_micro_batch_size=algo.log_prob_micro_batch_size, kl_clamp=algo.kl_clamp,
             router_aux_loss_coef=trainer.moe.router_aux_loss_coef,
             model=ModelOptions(trust_remote_code=spec.model.trust_remote_code,
                                gradient_checkpointing=trainer.gradient_checkpointing,
@@ -174,7 +177,7 @@ class TrainerWorker:
 
     # ---- batching -------------------------------------------------------------------------
 
-    def _rank_micro_batches(self, batch: TrainBatch) -> list[tuple[TrainBatch, list[float]]]:
+    def _rank_micro_batches(self, batch: TrainBatch, mbs: int | None = None) -> list[tuple[TrainBatch, list[float]]]:
         """This rank's share, padded so every rank runs the same number of micro-batches (FSDP2
         collectives must match); padding samples repeat the last one with weight 0."""
         n = len(batch.samples)
@@ -192,7 +195,7 @@ class TrainerWorker:
         )
         mine = padded.shard(self.rank, self.world_size)
         my_weights = weights[self.rank * per_rank:(self.rank + 1) * per_rank]
-        mbs = self.config.micro_batch_size
+        mbs = mbs or self.config.micro_batch_size
         out = []
         for lo in range(0, per_rank, mbs):
             hi = lo + mbs
@@ -219,7 +222,7 @@ class TrainerWorker:
     def _log_probs(self, model, batch: TrainBatch) -> list[list[float]]:
         model.eval()
         mine: list[list[float]] = []
-        for part, weights in self._rank_micro_batches(batch):
+        for part, weights in self._rank_micro_batches(batch, self.config.log_prob_micro_batch_size):
             mb = make_micro_batch(part, self.device, self.pad_id, weights)
             logprobs, _, _ = self._forward(model, mb, with_entropy=False)
             rows = logprobs.cpu()
@@ -264,7 +267,7 @@ class TrainerWorker:
             pg, extra = L.policy_loss(logprobs, old, mb.advantages, mb.mask, cfg.clip_low, cfg.clip_high,
                                       total_tokens=global_tokens)
             ent = L.masked_token_mean(entropy, mb.mask, global_tokens)
-            kl = (L.kl_penalty(logprobs, mb.ref_logprobs, mb.mask, total_tokens=global_tokens)
+            kl = (L.kl_penalty(logprobs, mb.ref_logprobs, mb.mask, total_tokens=global_tokens, clamp=cfg.kl_clamp)
                   if cfg.kl_coef > 0 else torch.zeros((), device=self.device))
             total = pg + cfg.kl_coef * kl - cfg.entropy_coef * ent
             aux_term = (aux / len(micro)) if aux is not None else torch.zeros((), device=self.device)
