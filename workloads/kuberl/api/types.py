@@ -339,8 +339,9 @@ class WandbSpec(APIModel):
 
 
 class MlflowSpec(APIModel):
-    tracking_uri: str = Field(min_length=1, max_length=2048, pattern=r"^(https?://|file:/|/)\S+$",
-                              description="MLflow tracking server (http(s)://) or a local store (file:/path or /path).")
+    tracking_uri: str = Field(min_length=1, max_length=2048, pattern=r"^(https?://\S+|file:/\S+)$",
+                              description="MLflow tracking server (http(s)://) or a local file store "
+                                          "(file:/abs/path, e.g. on a mounted volume; the offline mode).")
     experiment: str | None = Field(None, max_length=256, description="Experiment name; default the job name.")
     credentials: SecretRef | None = Field(None, description="Secret with MLFLOW_TRACKING_TOKEN or "
                                           "MLFLOW_TRACKING_USERNAME/PASSWORD; given to the head pod only.")

@@ -4,7 +4,7 @@ TensorBoard, through the library each tool ships; Prometheus (``kuberl.metrics``
 Each library is imported only when its tracker is configured, so a job without ``spec.tracking``
 needs none of them (they come with the ``tracking`` extra). Offline modes need no server:
 W&B ``mode: offline`` writes the run under its directory (``wandb sync`` uploads it later), an
-MLflow ``trackingUri`` of ``file:/path`` is a local store, TensorBoard always writes event files.
+MLflow ``trackingUri`` of ``file:/path`` is a local store, TensorBoard writes event files.
 Credentials (``WANDB_API_KEY``, ``MLFLOW_TRACKING_TOKEN``...) come from the Secret the spec
 names, which kuberl gives to the head pod's environment only; the libraries read them there.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any, Mapping, Protocol
 
@@ -57,9 +58,12 @@ class MlflowTracker:
     def __init__(self, spec: MlflowSpec, run_name: str, config: dict[str, Any]):
         import mlflow
 
-        uri = spec.tracking_uri
         self.mlflow = mlflow
-        mlflow.set_tracking_uri(f"file:{uri}" if uri.startswith("/") else uri)
+        if spec.tracking_uri.startswith("file:"):
+            # mlflow-skinny has no SQL store: its file store is the offline mode, which MLflow 3
+            # keeps behind an explicit opt-in.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        mlflow.set_tracking_uri(spec.tracking_uri)
         mlflow.set_experiment(spec.experiment or run_name)
         self.run = mlflow.start_run(run_name=run_name)
         mlflow.log_params(_flatten(config))
