@@ -31,6 +31,7 @@ STAGE_DIR = "/kuberl"
 PVC_ROOT = "/mnt/pvc"
 MODEL_DIR = f"{STAGE_DIR}/model"
 DATA_DIR = f"{STAGE_DIR}/data"
+VALIDATION_DATA_DIR = f"{STAGE_DIR}/validation-data"
 CHECKPOINT_DIR = f"{STAGE_DIR}/checkpoint"
 METRICS_PORT = 9400
 RAY_METRICS_PORT = 8080
@@ -165,6 +166,30 @@ def _env_from(secret: t.SecretRef | None) -> list[dict[str, Any]]:
     return [{"secretRef": {"name": secret.name}}] if secret else []
 
 
+def _tracking_env_from(tracking: t.TrackingSpec) -> list[dict[str, Any]]:
+    """The trackers' Secrets (WANDB_API_KEY, MLFLOW_TRACKING_TOKEN...): for the head only, where
+    the driver logs; no other container needs them."""
+    secrets = [sub.credentials for sub in (tracking.wandb, tracking.mlflow) if sub is not None and sub.credentials]
+    return [entry for secret in secrets for entry in _env_from(secret)]
+
+
+def _check_data_container(job: t.RLTrainingJob, name: str, path: str, res: t.Resources,
+                          validation: bool) -> dict[str, Any]:
+    """Loads the staged data as the driver will: a bad row fails here, before Ray starts."""
+    return {
+        "name": name,
+        "image": job.spec.image,
+        "imagePullPolicy": job.spec.image_pull_policy,
+        "command": ["kuberl"],
+        "args": ["check-data", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}", *(["--validation"] if validation else []),
+                 path],
+        "resources": _resources(res),
+        "securityContext": _security_context(),
+        "volumeMounts": [{"name": "kuberl-stage", "mountPath": STAGE_DIR},
+                         {"name": "kuberl-config", "mountPath": CONFIG_DIR, "readOnly": True}],
+    }
+
+
 def _stage_container(job: t.RLTrainingJob, name: str, src: str, dst: str, secret: t.SecretRef | None,
                      res: t.Resources, extra_args: list[str]) -> dict[str, Any]:
     args = ["stage", *extra_args, src, dst]
@@ -194,15 +219,27 @@ def _init_containers(job: t.RLTrainingJob, role: str, res: t.Resources, resume: 
                                     spec.model.credentials, res, extra))
     if role == "head" and _needs_stage(spec.data.uri):
         out.append(_stage_container(job, "stage-data", spec.data.uri, DATA_DIR, spec.data.credentials, res, []))
+    if role == "head" and spec.validation is not None and _needs_stage(spec.validation.uri):
+        out.append(_stage_container(job, "stage-validation-data", spec.validation.uri, VALIDATION_DATA_DIR,
+                                    spec.data.credentials, res, []))
     if role != "head" and resume and uris.parse(resume).scheme in ("s3", "gs"):
         # "--checkpoint": SRC is a checkpoint root or one checkpoint; stage the newest complete one,
         # or nothing on a first run.
         out.append(_stage_container(job, "stage-checkpoint", resume, CHECKPOINT_DIR,
                                     spec.checkpoint.credentials, res, ["--checkpoint"]))
+    if role == "head":
+        out.append(_check_data_container(job, "check-data", _local_path(spec.data.uri, DATA_DIR), res, False))
+        if spec.validation is not None:
+            out.append(_check_data_container(job, "check-validation-data",
+                                             _local_path(spec.validation.uri, VALIDATION_DATA_DIR), res, True))
     for c in out:
-        for m in _pvc_mounts(job, [spec.model.uri, spec.data.uri]):
+        for m in _pvc_mounts(job, [spec.model.uri, *_data_uris(spec)]):
             c["volumeMounts"].append(m)
     return out
+
+
+def _data_uris(spec: t.RLTrainingJobSpec) -> list[str]:
+    return [spec.data.uri, *([spec.validation.uri] if spec.validation is not None else [])]
 
 
 def _pvc_mounts(job: t.RLTrainingJob, uri_list: list[str]) -> list[dict[str, Any]]:
@@ -225,6 +262,9 @@ def _pod_env(job: t.RLTrainingJob, role: str, resume: str | None) -> list[dict[s
     ]
     if role == "head":
         env.append({"name": "KUBERL_DATA_PATH", "value": _local_path(spec.data.uri, DATA_DIR)})
+        if spec.validation is not None:
+            env.append({"name": "KUBERL_VALIDATION_DATA_PATH",
+                        "value": _local_path(spec.validation.uri, VALIDATION_DATA_DIR)})
     elif resume:
         env.append({"name": "KUBERL_CHECKPOINT_PATH",
                     "value": CHECKPOINT_DIR if _needs_stage(resume) else _local_path(resume, CHECKPOINT_DIR)})
@@ -244,20 +284,20 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
         {"name": "kuberl-config", "mountPath": CONFIG_DIR, "readOnly": True},
         # NCCL and Ray's object store need a large /dev/shm; the container default is 64 MiB.
         {"name": "dshm", "mountPath": "/dev/shm"},
-        *_pvc_mounts(job, [spec.model.uri, spec.data.uri, *( [resume] if resume else [])]),
+        *_pvc_mounts(job, [spec.model.uri, *_data_uris(spec), *( [resume] if resume else [])]),
     ]
     container = {
         "name": f"ray-{role}",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "env": _pod_env(job, role, resume),
-        "envFrom": _env_from(spec.checkpoint.credentials),
+        "envFrom": _env_from(spec.checkpoint.credentials) + (_tracking_env_from(spec.tracking) if role == "head" else []),
         "ports": ports,
         "resources": _resources(res, gpus),
         "securityContext": _security_context(),
         "volumeMounts": mounts,
     }
-    claims = _pvc_claims(job, [spec.model.uri, spec.data.uri, *([resume] if resume else [])])
+    claims = _pvc_claims(job, [spec.model.uri, *_data_uris(spec), *([resume] if resume else [])])
     volumes = [
         {"name": "kuberl-stage", "emptyDir": {}},
         {"name": "kuberl-config", "configMap": {"name": config_map_name(job)}},
