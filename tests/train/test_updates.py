@@ -83,3 +83,13 @@ def test_update_epochs_repeat_the_pass(worker):
     assert policy_updates(worker, batch, algorithm)["updates"] == 4
     with pytest.raises(ValueError, match="behaviour policy"):
         policy_updates(worker, _batch(), algorithm)
+
+
+def test_k3_kl_is_clamped_per_token():
+    from kuberl.train.loss import kl_penalty
+
+    logprobs = torch.tensor([[-20.0, -1.0]])
+    ref = torch.tensor([[-1.0, -1.0]])  # token 0: exp(19) - 19 - 1, far above the clamp
+    mask = torch.ones(1, 2)
+    assert kl_penalty(logprobs, ref, mask, clamp=10.0).item() == pytest.approx(5.0)
+    assert kl_penalty(logprobs, ref, mask).item() > 1e7
