@@ -44,7 +44,7 @@ def test_defaults_fill_a_minimal_spec_the_way_the_api_server_would():
                           _schema()["properties"]["spec"])
     assert spec["trainer"]["resources"] == {"cpu": "8", "memory": "64Gi"}
     assert spec["head"]["resources"] == {"cpu": "2", "memory": "8Gi"}
-    assert spec["reward"] == {"builtin": "math_exact_match"}
+    assert spec["reward"] == {"builtin": "gsm8k_strict", "workers": 1, "cpusPerWorker": 1.0}
     assert spec["checkpoint"]["resume"] == "auto"
 
 

@@ -5,8 +5,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from kuberl.api.types import RewardSpec
-from kuberl.train.data import DataError, PromptStream, load_prompts
-from kuberl.train.rewards import RewardError, load_reward, math_exact_match, repeat_letter, score
+from kuberl.train.data import DataError, PromptStream, check_prompt_lengths, load_prompts, steps_for_epochs
+from kuberl.train.rewards import (RewardError, RewardInput, gsm8k_flexible, gsm8k_strict, load_reward, repeat_letter,
+                                  score)
 
 
 def _jsonl(path, rows):
@@ -52,14 +53,26 @@ def test_missing_data_path(tmp_path):
         load_prompts(tmp_path / "nope")
 
 
-def test_math_exact_match():
-    responses = ["so \\boxed{42}", "the answer is 1,234.", "I think 7 then 8", "no idea", "\\boxed{41}"]
-    answers = ["42", "#### 1234", 8, "3", "42"]
-    assert math_exact_match([""] * 5, responses, answers) == [1.0, 1.0, 1.0, 0.0, 0.0]
+def _inputs(responses, answers):
+    return [RewardInput(prompt="", response=r, answer=a) for r, a in zip(responses, answers)]
+
+
+def test_gsm8k_strict_reads_the_number_after_the_last_hashes():
+    """lm-eval-harness's strict-match and verl's gsm8k reward: only '#### <number>' counts."""
+    responses = ["#### 4 apples, 12 total", "5 then 4", "so #### 1,234.", "#### 3\n#### 8", "#### $18", "no idea"]
+    # "#### $18" does not match the strict pattern (a number right after "#### "): 0, as in verl.
+    answers = ["4", "4", "Natalia sold... #### 1234", 8, "18", "3"]
+    assert gsm8k_strict(_inputs(responses, answers)) == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_gsm8k_flexible_reads_the_last_number():
+    responses = ["#### 4 apples, 12 total", "5 then 4", "the answer is 1,234.", "-3.0", "no idea", "."]
+    answers = ["4", "4", "#### 1234", "-3", "3", "0"]
+    assert gsm8k_flexible(_inputs(responses, answers)) == [0.0, 1.0, 1.0, 1.0, 0.0, 0.0]
 
 
 def test_repeat_letter():
-    assert repeat_letter([""] * 4, ["aaaa", "abab", "", " b "], ["a", "a", "a", "b"]) == [1.0, 0.5, 0.0, 1.0]
+    assert repeat_letter(_inputs(["aaaa", "abab", "", " b "], ["a", "a", "a", "b"])) == [1.0, 0.5, 0.0, 1.0]
 
 
 def test_reward_function_by_import_path():
@@ -72,10 +85,86 @@ def test_reward_function_by_import_path():
 
 
 @pytest.mark.parametrize("returned,needle", [
-    ([1.0], "returned 1 rewards for 2 responses"),
+    ([1.0], "returned 1 rewards for 2 inputs"),
     ([1.0, "high"], "reward 1 is 'high', not a number"),
     ([1.0, float("nan")], "reward 1 is nan, not finite"),
 ])
 def test_reward_results_are_checked(returned, needle):
     with pytest.raises(RewardError, match=needle):
-        score(lambda p, r, a: returned, ["p", "q"], ["r", "s"], [None, None])
+        score(lambda batch: returned, _inputs(["r", "s"], [None, None]))
+
+
+def test_chat_prompts_nested_answers_template_and_system_prompt(tmp_path):
+    rows = [
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}],
+         "reward_model": {"ground_truth": "2"}, "data_source": "openai/gsm8k", "extra_info": {"split": "train"}},
+        {"prompt": "2+2?", "reward_model": {"ground_truth": "4"}},
+    ]
+    prompts = load_prompts(_jsonl(tmp_path / "d.jsonl", rows), answer_field="reward_model.ground_truth",
+                           system_prompt="You are a math tutor.", prompt_template="{prompt} Answer after ####.")
+    first, second = prompts
+    # The row's own system message wins; the template wraps the last user message.
+    assert first.messages == ({"role": "system", "content": "Be brief."},
+                              {"role": "user", "content": "1+1? Answer after ####."})
+    assert (first.answer, first.data_source, first.extra_info) == ("2", "openai/gsm8k", {"split": "train"})
+    assert second.messages == ({"role": "system", "content": "You are a math tutor."},
+                               {"role": "user", "content": "2+2? Answer after ####."})
+    assert (second.text, second.answer, second.data_source, second.extra_info) == (
+        "2+2? Answer after ####.", "4", "", {})
+
+
+def test_parquet_chat_prompts(tmp_path):
+    messages = [{"role": "user", "content": "3+3?"}]
+    pq.write_table(pa.table({"prompt": [messages], "extra_info": [{"answer": "6"}]}), tmp_path / "d.parquet")
+    (prompt,) = load_prompts(tmp_path / "d.parquet", answer_field="extra_info.answer")
+    assert prompt.messages == tuple(messages) and prompt.answer == "6"
+
+
+@pytest.mark.parametrize("row,needle", [
+    ({"prompt": [{"role": "user", "content": 3}]}, "d.jsonl:1: prompt[0] must be {role: system|user|assistant"),
+    ({"prompt": [{"role": "bot", "content": "x"}]}, "prompt[0] must be"),
+    ({"prompt": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+     "the last message must be the user's"),
+    ({"prompt": []}, "must be a non-empty string or a chat-message list"),
+    ({"prompt": {"text": "x"}}, "got dict"),
+    ({"prompt": "x", "extra_info": "oops"}, "field 'extra_info' (spec.data.extraInfoField) must be an object"),
+])
+def test_bad_chat_rows_name_the_row_and_field(tmp_path, row, needle):
+    with pytest.raises(DataError) as info:
+        load_prompts(_jsonl(tmp_path / "d.jsonl", [row]))
+    assert needle in str(info.value)
+
+
+def test_overlong_prompts_error_or_filter_never_truncate(tmp_path):
+    prompts = load_prompts(_jsonl(tmp_path / "d.jsonl", [{"prompt": p} for p in ("a", "bb", "ccc")]))
+    lengths = [1, 5, 2]
+    with pytest.raises(DataError, match="prompt 1 is 5 tokens, longer than rollout.maxPromptLength 3 .*"
+                                        "set data.overlongPrompts: filter"):
+        check_prompt_lengths(prompts, lengths, 3, "error")
+    assert [p.text for p in check_prompt_lengths(prompts, lengths, 3, "filter")] == ["a", "ccc"]
+    with pytest.raises(DataError, match="every prompt is longer"):
+        check_prompt_lengths(prompts, lengths, 0, "filter")
+
+
+def test_epochs_become_steps():
+    assert steps_for_epochs(1, 7473, 32) == 234  # GSM8K train, 32 prompts a step
+    assert steps_for_epochs(3, 10, 4) == 8
+
+
+def test_check_data_command_fails_in_the_init_container_naming_row_and_field(tmp_path, capsys):
+    import yaml
+
+    from kuberl.cli import main
+
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({
+        "apiVersion": "kuberl.dev/v1alpha1", "kind": "RLTrainingJob", "metadata": {"name": "j"},
+        "spec": {"image": "i", "model": {"uri": "/m"},
+                 "data": {"uri": "s3://bucket/d", "answerField": "reward_model.ground_truth"}}}))
+    good = _jsonl(tmp_path / "good.jsonl", [{"prompt": [{"role": "user", "content": "q"}],
+                                             "reward_model": {"ground_truth": "1"}}])
+    assert main(["check-data", "--config", str(config), str(good)]) == 0
+    assert "1 prompts usable for spec.data" in capsys.readouterr().out
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"question": "no prompt"}])
+    assert main(["check-data", "--config", str(config), str(bad)]) == 1
+    assert "bad.jsonl:2: no field 'prompt' (spec.data.promptField)" in capsys.readouterr().err

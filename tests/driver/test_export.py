@@ -5,6 +5,7 @@ The weights here come from ``save_pretrained`` of the loaded custom model, the s
 export needs is carried over (seed 002), and that a missing one fails loudly."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -115,55 +116,41 @@ def test_plain_model_needs_no_remote_code(tmp_path):
     assert copy_remote_code(source, tmp_path / "export") == []
 
 
-class SavesPretrained:
-    """Stands in for TrainerGroup, whose export_hf gathers FSDP shards from Ray actors and ends in
-    ``save_pretrained``; what is under test here is what export_hugging_face adds around it."""
+def _export(model, source, tmp_path, out_dir, *, trust_remote_code: bool) -> str:
+    """What rank 0 does in TrainerActor.export_hugging_face: the trainer writes the model (here
+    ``save_pretrained`` stands in for the FSDP gather, which ends in it), then publish_export adds
+    the remote code and uploads to the checkpoint root's ``hf/``."""
+    from kuberl.train.export import publish_export
 
-    def __init__(self, model):
-        self.model = model
-
-    def export_hf(self, path):
-        self.model.save_pretrained(path)
-
-
-def _spec(tmp_path, trust_remote_code: bool):
-    import yaml
-
-    from kuberl.api.validate import validate_manifest
-    from tests.cluster.harness import REPO_ROOT
-
-    manifest = yaml.safe_load((REPO_ROOT / "examples" / "grpo-tiny-cpu.yaml").read_text())
-    manifest["spec"]["model"]["trustRemoteCode"] = trust_remote_code
-    manifest["spec"]["checkpoint"] = {"uri": str(tmp_path / "ckpt"), "exportHuggingFace": True}
-    return validate_manifest(manifest).spec
+    shutil.rmtree(out_dir, ignore_errors=True)
+    model.save_pretrained(out_dir)
+    return publish_export(out_dir, source, str(tmp_path / "ckpt" / "hf"), trust_remote_code=trust_remote_code)
 
 
 def test_export_without_trust_remote_code_copies_no_python_and_does_not_fail(tmp_path):
     """The stager left the .py files out (trustRemoteCode is off), but config.json still carries
     the repository's auto_map: the export must neither fail after the last step nor copy code."""
     from kuberl.tiny import make_model
-    from kuberl.train.export import export_hugging_face
 
     source = make_model(tmp_path / "staged")
     config = json.loads((source / "config.json").read_text())
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
     (source / "config.json").write_text(json.dumps(config))
     model = AutoModelForCausalLM.from_pretrained(source)
-    where = export_hugging_face(SavesPretrained(model), source, _spec(tmp_path, False), tmp_path / "export")
+    where = _export(model, source, tmp_path, tmp_path / "export", trust_remote_code=False)
     assert where == f"{tmp_path / 'ckpt'}/hf"
     assert not list((tmp_path / "ckpt" / "hf").glob("*.py"))
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf") is not None
 
     # The same directory with remote code present: still nothing copied while trust is off.
     (source / "modeling_evil.py").write_text("raise SystemExit('remote code ran')\n")
-    export_hugging_face(SavesPretrained(model), source, _spec(tmp_path, False), tmp_path / "export")
+    _export(model, source, tmp_path, tmp_path / "export", trust_remote_code=False)
     assert not list((tmp_path / "export").glob("*.py"))
 
 
 @pytest.mark.parametrize("entry", ["../outside.Evil", "sub/../../outside.Evil", "/etc/passwd.x",
                                    "..", "a.b.Class", "modeling_tiny_custom.Class; rm"])
 def test_auto_map_entries_are_module_names_never_paths(tmp_path, entry):
-    from kuberl.train.export import export_hugging_face
 
     source = tmp_path / "models" / "source"
     source.parent.mkdir()
@@ -173,16 +160,15 @@ def test_auto_map_entries_are_module_names_never_paths(tmp_path, entry):
     config["auto_map"]["AutoTokenizer"] = [entry, None]
     (source / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportError, match="is not module.Class with a Python module name"):
-        export_hugging_face(SavesPretrained(model), source, _spec(tmp_path, True), tmp_path / "out" / "export")
+        _export(model, source, tmp_path, tmp_path / "out" / "export", trust_remote_code=True)
     assert not (tmp_path / "out" / "outside.py").exists() and not (tmp_path / "ckpt").exists()
 
 
 def test_export_with_trust_remote_code_reloads(tmp_path):
-    from kuberl.train.export import export_hugging_face
 
     source = tmp_path / "source"
     model = _write_custom_model(source)
-    export_hugging_face(SavesPretrained(model), source, _spec(tmp_path, True), tmp_path / "export")
+    _export(model, source, tmp_path, tmp_path / "export", trust_remote_code=True)
     exported = tmp_path / "ckpt" / "hf"
     assert sorted(p.name for p in exported.glob("*.py")) == ["configuration_tiny_custom.py", "layers_tiny_custom.py",
                                                              "modeling_tiny_custom.py"]

@@ -15,7 +15,7 @@ from kuberl.metrics import LABELS, Identity, WorkerMetrics, record_step
 IDENTITY = Identity(job="grpo", namespace="team-a", role="trainer", rank="3")
 PREFIXES = ("kuberl_train_", "kuberl_rollout_", "kuberl_sync_", "kuberl_checkpoint_", "kuberl_stage_")
 UNITLESS = {"kuberl_train_step", "kuberl_train_reward_mean", "kuberl_train_kl", "kuberl_train_loss",
-            "kuberl_train_pg_loss", "kuberl_train_grad_norm"}
+            "kuberl_train_pg_loss", "kuberl_train_grad_norm", "kuberl_train_validation_reward"}
 
 # One step dict as the driver builds it: the FSDP worker's train_step keys plus the driver's own.
 DRIVER_STEP = {
@@ -23,6 +23,7 @@ DRIVER_STEP = {
     "grad_norm": 0.9, "lr": 1e-6, "skipped": 0.0, "skipped_total": 0.0, "optimizer_steps": 5.0,
     "reward_mean": 0.75, "reward_std": 0.2, "response_length": 12.5, "step_seconds": 1.25,
     "tokens_per_second": 512.0, "weight_sync_seconds": 0.05, "weight_sync_bytes": 4096, "step": 5, "mfu": 0.31,
+    "clip_frac": 0.05,
 }
 
 
@@ -60,6 +61,7 @@ def test_names_carry_units_and_every_series_the_four_labels(registry):
     metrics.record_rollout(tokens=1, seconds=1.0)
     metrics.record_checkpoint(seconds=1.0, nbytes=1)
     metrics.record_stage(nbytes=1, seconds=1.0)
+    metrics.record_validation({"val/reward": 0.5, "val/pass@4": 0.75, "val/response_length": 9.0})
     families = list(registry.collect())
     assert families
     for family in families:

@@ -57,3 +57,16 @@ def test_missing_model_is_a_clear_error_before_vllm_starts(spec):
 
     with pytest.raises(FileNotFoundError, match="/nonexistent/model"):
         RolloutEngine(spec, Paths(model="/nonexistent/model", data="/d", scratch="/s"), "served")
+
+
+def test_top_k_top_p_and_stop_strings_reach_the_sampler(pool):
+    # top_k=1 is greedy whatever the seed; a stop string cuts the response before it.
+    (a,) = pool.generate(PROMPTS[:1], 1, temperature=1.0, max_tokens=16, seed=1, top_k=1)
+    (b,) = pool.generate(PROMPTS[:1], 1, temperature=1.0, max_tokens=16, seed=2, top_k=1, top_p=0.5)
+    assert a[0].response_ids == b[0].response_ids
+    text = a[0].response_text
+    cut = next((i for i in range(1, len(text)) if text[i].strip() and text[i] not in text[:i]), None)
+    if cut is None:
+        pytest.skip(f"the greedy response {text!r} has no character to stop at")
+    (stopped,) = pool.generate(PROMPTS[:1], 1, temperature=1.0, max_tokens=16, seed=1, top_k=1, stop=[text[cut]])
+    assert stopped[0].response_text == text[:cut] and stopped[0].finish_reason == "stop"

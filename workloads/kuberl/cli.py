@@ -11,12 +11,13 @@ SUBCOMMANDS = {
     "crd": ("kuberl.api.crd", "print the RLTrainingJob CustomResourceDefinition"),
     "stage": ("kuberl.stage", "copy a model, data set or checkpoint to a local directory"),
     "train": ("kuberl.train.__main__", "run training (the Ray driver)"),
+    "check-data": ("kuberl.check_data", "check a staged data file against the job's spec.data"),
 }
 
 
 def usage() -> str:
     lines = ["usage: kuberl <command> [args]", "", "commands:"]
-    lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
 

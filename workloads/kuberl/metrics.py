@@ -40,6 +40,7 @@ STEP_GAUGES = {
     "grad_norm": "grad_norm",
     "tokens_per_second": "tokens_per_second",
     "mfu": "mfu",
+    "clip_frac": "clip_ratio",
 }
 
 
@@ -97,6 +98,10 @@ class WorkerMetrics:
         self.tokens_per_second = gauge("kuberl_train_tokens_per_second",
                                        "Prompt+response tokens trained per second, last step")
         self.mfu = gauge("kuberl_train_mfu_ratio", "Model FLOPs utilisation (0-1), last step")
+        self.clip_ratio = gauge("kuberl_train_clip_ratio", "Share of trained tokens the PPO clip bound, last step")
+        self.validation_reward = gauge("kuberl_train_validation_reward", "Mean reward on the validation set, last validation")
+        self.validation_pass = gauge("kuberl_train_validation_pass_ratio",
+                                     "pass@n on the validation set (n = validation.n), last validation")
         self.steps = counter("kuberl_train_steps_total", "Training steps completed")
         self.skipped_steps = counter("kuberl_train_skipped_steps_total",
                                      "Steps whose optimizer update was skipped (non-finite gradients)")
@@ -134,6 +139,13 @@ class WorkerMetrics:
         if metrics.get("weight_sync_seconds") is not None:
             self._mine(self.sync_duration).observe(float(metrics["weight_sync_seconds"]))
             self._mine(self.sync_bytes).inc(float(metrics.get("weight_sync_bytes") or 0))
+
+    def record_validation(self, metrics: Mapping[str, Any]) -> None:
+        """``val/reward`` and, when validation samples n > 1, ``val/pass@<n>``."""
+        self._mine(self.validation_reward).set(float(metrics["val/reward"]))
+        for key, value in metrics.items():
+            if key.startswith("val/pass@"):
+                self._mine(self.validation_pass).set(float(value))
 
     def record_rollout(self, tokens: int, seconds: float) -> None:
         self._mine(self.rollout_tokens).inc(tokens)
@@ -202,6 +214,11 @@ def start_pod_exporter(role: str, rank: int | str = 0) -> WorkerMetrics | None:
 def record_step(metrics: Mapping[str, Any]) -> None:
     if _exporter is not None:
         _exporter.record_step(metrics)
+
+
+def record_validation(metrics: Mapping[str, Any]) -> None:
+    if _exporter is not None:
+        _exporter.record_validation(metrics)
 
 
 def record_rollout(tokens: int, seconds: float) -> None:

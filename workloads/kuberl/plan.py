@@ -25,6 +25,7 @@ PLAN_FILE = "plan.yaml"
 STAGE_DIR = "/kuberl"
 MODEL_DIR = f"{STAGE_DIR}/model"
 DATA_DIR = f"{STAGE_DIR}/data"
+VALIDATION_DATA_DIR = f"{STAGE_DIR}/validation-data"
 # Pod-local scratch (an emptyDir): each trainer rank writes its checkpoint shards below
 # ``<scratch>/rank-<r>`` before uploading them, and nothing else ever reads them.
 SCRATCH_DIR = f"{STAGE_DIR}/scratch"
@@ -70,6 +71,7 @@ class Paths(Frozen):
     # staged directory: the stager already took the revision).
     model_revision: str | None = None
     data: str
+    validation_data: str | None = None  # spec.validation.uri's copy; None without validation
     scratch: str
 
 
@@ -80,6 +82,12 @@ class Checkpoints(Frozen):
     format: Literal["dcp", "tar"]
     export_hugging_face: bool
     export_uri: str | None              # <root>/hf
+
+    def export_uri_at(self, step: int) -> str:
+        """Where a periodic export (checkpoint.exportIntervalSteps) of ``step`` goes."""
+        if self.root is None:
+            raise ValueError("a Hugging Face export needs spec.checkpoint.uri")
+        return uris.parse(self.root, "spec.checkpoint.uri").join(f"hf-step-{step}")
 
 
 class Resume(Frozen):
@@ -166,6 +174,8 @@ def for_cluster(job: t.RLTrainingJob, attempt: int = 0) -> RunPlan:
         job=job.metadata.name, namespace=job.metadata.namespace, attempt=attempt,
         topology=topology(spec),
         paths=Paths(model=in_pod_path(spec.model.uri, MODEL_DIR), data=in_pod_path(spec.data.uri, DATA_DIR),
+                    validation_data=(in_pod_path(spec.validation.uri, VALIDATION_DATA_DIR)
+                                     if spec.validation is not None else None),
                     scratch=SCRATCH_DIR),
         checkpoints=checkpoints(spec), resume=resume(spec, attempt))
 
@@ -179,6 +189,7 @@ def local(job: t.RLTrainingJob, work_dir: Path, attempt: int = 0) -> RunPlan:
         job=job.metadata.name, namespace=job.metadata.namespace, attempt=attempt,
         topology=topology(spec),
         paths=Paths(model=spec.model.uri, model_revision=revision, data=spec.data.uri,
+                    validation_data=spec.validation.uri if spec.validation is not None else None,
                     scratch=str(Path(work_dir) / "scratch")),
         checkpoints=checkpoints(spec), resume=resume(spec, attempt))
 

@@ -36,6 +36,7 @@ STAGE_DIR = plans.STAGE_DIR
 PVC_ROOT = uris.PVC_ROOT
 MODEL_DIR = plans.MODEL_DIR
 DATA_DIR = plans.DATA_DIR
+VALIDATION_DATA_DIR = plans.VALIDATION_DATA_DIR
 METRICS_PORT = 9400
 RAY_METRICS_PORT = 8080
 RUN_AS_USER = 1000
@@ -146,6 +147,30 @@ def _env_from(secret: t.SecretRef | None) -> list[dict[str, Any]]:
     return [{"secretRef": {"name": secret.name}}] if secret else []
 
 
+def _tracking_env_from(tracking: t.TrackingSpec) -> list[dict[str, Any]]:
+    """The trackers' Secrets (WANDB_API_KEY, MLFLOW_TRACKING_TOKEN...): for the head only, where
+    the driver logs; no other container needs them."""
+    secrets = [sub.credentials for sub in (tracking.wandb, tracking.mlflow) if sub is not None and sub.credentials]
+    return [entry for secret in secrets for entry in _env_from(secret)]
+
+
+def _check_data_container(job: t.RLTrainingJob, name: str, path: str, res: t.Resources,
+                          validation: bool) -> dict[str, Any]:
+    """Loads the staged data as the driver will: a bad row fails here, before Ray starts."""
+    return {
+        "name": name,
+        "image": job.spec.image,
+        "imagePullPolicy": job.spec.image_pull_policy,
+        "command": ["kuberl"],
+        "args": ["check-data", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}", *(["--validation"] if validation else []),
+                 path],
+        "resources": _resources(res),
+        "securityContext": _security_context(),
+        "volumeMounts": [{"name": "kuberl-stage", "mountPath": STAGE_DIR},
+                         {"name": "kuberl-config", "mountPath": CONFIG_DIR, "readOnly": True}],
+    }
+
+
 def _stage_container(job: t.RLTrainingJob, name: str, src: str, dst: str, secret: t.SecretRef | None,
                      res: t.Resources, extra_args: list[str]) -> dict[str, Any]:
     args = ["stage", *extra_args, src, dst]
@@ -165,7 +190,7 @@ def _stage_container(job: t.RLTrainingJob, name: str, src: str, dst: str, secret
     }
 
 
-def _init_containers(job: t.RLTrainingJob, role: str, res: t.Resources) -> list[dict[str, Any]]:
+def _init_containers(job: t.RLTrainingJob, role: str, res: t.Resources, plan: plans.RunPlan) -> list[dict[str, Any]]:
     spec = job.spec
     out = []
     if _needs_stage(spec.model.uri):
@@ -176,6 +201,13 @@ def _init_containers(job: t.RLTrainingJob, role: str, res: t.Resources) -> list[
                                     spec.model.credentials, res, extra))
     if role == "head" and _needs_stage(spec.data.uri):
         out.append(_stage_container(job, "stage-data", spec.data.uri, DATA_DIR, spec.data.credentials, res, []))
+    if role == "head" and spec.validation is not None and _needs_stage(spec.validation.uri):
+        out.append(_stage_container(job, "stage-validation-data", spec.validation.uri, VALIDATION_DATA_DIR,
+                                    spec.data.credentials, res, []))
+    if role == "head":
+        out.append(_check_data_container(job, "check-data", plan.paths.data, res, False))
+        if plan.paths.validation_data is not None:
+            out.append(_check_data_container(job, "check-validation-data", plan.paths.validation_data, res, True))
     for c in out:
         for m in _pvc_mounts(_read_claims(job, "stager"), []):
             c["volumeMounts"].append(m)
@@ -189,6 +221,8 @@ def _read_claims(job: t.RLTrainingJob, role: str, plan: plans.RunPlan | None = N
     read = [spec.model.uri]
     if role in ("head", "stager"):
         read.append(spec.data.uri)
+        if spec.validation is not None:
+            read.append(spec.validation.uri)
     if role == TRAINER_GROUP and plan is not None and plan.resume.explicit:
         read.append(plan.resume.explicit)
     return _pvc_claims(read)
@@ -236,8 +270,10 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "env": _pod_env(job, role),
-        # Only the trainer ranks touch checkpoints (upload, commit, restore).
-        "envFrom": _env_from(spec.checkpoint.credentials if role == TRAINER_GROUP else None),
+        # Only the trainer ranks touch checkpoints (upload, commit, restore); only the driver on
+        # the head logs to experiment trackers.
+        "envFrom": (_env_from(spec.checkpoint.credentials if role == TRAINER_GROUP else None)
+                    + (_tracking_env_from(spec.tracking) if role == "head" else [])),
         "ports": ports,
         "resources": _resources(res, gpus),
         "securityContext": _security_context(),
@@ -254,7 +290,7 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
     ]
     pod_spec: dict[str, Any] = {
         "serviceAccountName": workload_identity_name(job),
-        "initContainers": _init_containers(job, role, res),
+        "initContainers": _init_containers(job, role, res, plan),
         "containers": [container],
         "volumes": volumes,
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "fsGroup": RUN_AS_USER},

@@ -36,18 +36,20 @@ def _limits(node: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _rows(node: dict[str, Any], path: str, required: set[str]) -> list[str]:
+def _rows(node: dict[str, Any], path: str, required: set[str], inherited: dict[str, Any] | None = None) -> list[str]:
+    """``inherited``: the parent object's default, whose values are what an omitted field gets
+    (``reward`` defaults to ``{builtin: gsm8k_strict}`` though ``builtin`` alone has none)."""
     rows = []
     for name, sub in node.get("properties", {}).items():
         field = f"{path}.{name}"
-        default = sub.get("default")
+        default = (inherited or {}).get(name, sub.get("default"))
         shown_default = "" if default is None or isinstance(default, dict) else f"`{json.dumps(default)}`"
         req = "yes" if name in required else ""
         desc = " ".join(str(sub.get("description", "")).split()).replace("|", "\\|")
         limits = _limits(sub)
         rows.append(f"| `{field}` | {_type(sub)} | {req} | {shown_default} | {desc}{' (' + limits + ')' if limits else ''} |")
         if "properties" in sub:
-            rows += _rows(sub, field, set(sub.get("required", [])))
+            rows += _rows(sub, field, set(sub.get("required", [])), default if isinstance(default, dict) else None)
         elif sub.get("type") == "array" and "properties" in sub.get("items", {}):
             rows += _rows(sub["items"], f"{field}[]", set(sub["items"].get("required", [])))
     return rows

@@ -112,14 +112,42 @@ class ModelSpec(APIModel):
                                           "to the init containers that stage the model.")
 
 
+FIELD_PATH_PATTERN = r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$"
+
+
 class DataSpec(APIModel):
-    model_config = ConfigDict(json_schema_extra=_rules(dot_segment_rule("uri"), revision_in_uri_rule("uri")))
+    model_config = ConfigDict(json_schema_extra=_rules(
+        dot_segment_rule("uri"), revision_in_uri_rule("uri"),
+        rule("!has(self.promptTemplate) || self.promptTemplate.contains('{prompt}')",
+             "data.promptTemplate must contain {prompt} (where the row's prompt text goes)",
+             ".promptTemplate"),
+    ))
     uri: str = uri_field("Training prompts: a .jsonl or .parquet file (or a prefix of them), local or cloud.")
     format: Literal["auto", "jsonl", "parquet"] = Field("auto", description="File format; auto uses the extension.")
-    prompt_field: str = Field("prompt", min_length=1, max_length=256, description="Field holding the prompt text.")
-    answer_field: str = Field("answer", min_length=1, max_length=256, description="Field holding the reference answer "
-                              "passed to the reward function.")
+    prompt_field: str = Field("prompt", min_length=1, max_length=256, pattern=FIELD_PATH_PATTERN,
+                              description="Field holding the prompt: a string, or a chat-message list "
+                                          "([{role, content}], roles system/user/assistant) as in verl "
+                                          "and SkyRL data sets. A dotted path reaches nested fields.")
+    answer_field: str = Field("answer", min_length=1, max_length=256, pattern=FIELD_PATH_PATTERN,
+                              description="Field holding the reference answer passed to the reward "
+                                          "function; a dotted path reaches nested fields "
+                                          "(reward_model.ground_truth, extra_info.answer).")
     credentials: SecretRef | None = Field(None, description="Secret for reading the data (init containers only).")
+    system_prompt: str | None = Field(None, max_length=65536, description="A system message put before "
+                                      "every prompt that has none of its own.")
+    prompt_template: str | None = Field(None, max_length=65536, description="Wraps a string prompt (or "
+                                        "the last user message): {prompt} is replaced by it, e.g. "
+                                        "'{prompt} Let\'s think step by step and output the final answer "
+                                        "after \"####\".'")
+    data_source_field: str = Field("data_source", max_length=256, pattern=FIELD_PATH_PATTERN,
+                                   description="Field naming the row's data set; passed to the reward "
+                                               "function (absent: empty string).")
+    extra_info_field: str = Field("extra_info", max_length=256, pattern=FIELD_PATH_PATTERN,
+                                  description="Field with per-row data for the reward function (absent: {}).")
+    overlong_prompts: Literal["error", "filter"] = Field(
+        "error", description="A prompt longer than rollout.maxPromptLength tokens: error stops the job "
+                             "at start naming the row (verl's default); filter drops such rows and logs "
+                             "how many (SkyRL's). Prompts are never truncated.")
 
 
 class RewardSpec(APIModel):
@@ -127,14 +155,19 @@ class RewardSpec(APIModel):
         rule("has(self.builtin) != has(self.function)",
              "reward: set exactly one of builtin or function"),
     ))
-    builtin: Literal["math_exact_match", "repeat_letter"] | None = Field(
-        None, description="A built-in reward: math_exact_match (\\boxed{} or last number equals the "
-                          "answer) or repeat_letter (a toy verifiable task: the share of response "
-                          "characters equal to the answer letter).")
+    builtin: Literal["gsm8k_strict", "gsm8k_flexible", "repeat_letter"] | None = Field(
+        None, description="A built-in reward (docs/rewards.md): gsm8k_strict (the number after the "
+                          "last '####' equals the answer, as lm-eval-harness and verl score GSM8K), "
+                          "gsm8k_flexible (the last number equals it), or repeat_letter (a toy task: "
+                          "the share of response characters equal to the answer letter).")
     function: str | None = Field(
         None, max_length=512, pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$",
-        description="An importable reward function, module.path:function, called with "
-                    "(prompts, responses, answers) and returning one float per response.")
+        description="An importable batch reward function, module.path:function, called with a list "
+                    "of kuberl.train.rewards.RewardInput (prompt, response, answer, data_source, "
+                    "extra_info, token lengths) and returning one float per input (docs/rewards.md).")
+    workers: int = Field(1, ge=1, le=1024, description="Parallel reward workers (Ray tasks); the step's "
+                         "samples are split evenly among them.")
+    cpus_per_worker: float = Field(1.0, gt=0, le=64, description="CPUs each reward worker reserves.")
 
 
 class AlgorithmSpec(APIModel):
@@ -144,22 +177,44 @@ class AlgorithmSpec(APIModel):
         rule("self.microBatchSize < 1 || (self.promptsPerStep * self.groupSize) % self.microBatchSize == 0",
              "algorithm.microBatchSize must divide promptsPerStep * groupSize (samples per step)",
              ".microBatchSize"),
+        rule("!has(self.miniBatchSize) || (self.miniBatchSize <= self.promptsPerStep && "
+             "self.promptsPerStep % self.miniBatchSize == 0)",
+             "algorithm.miniBatchSize must divide algorithm.promptsPerStep (prompts per optimizer update)",
+             ".miniBatchSize"),
     ))
     name: Literal["grpo"] = Field("grpo", description="The RL algorithm.")
     group_size: int = Field(8, ge=2, le=1024, description="Samples per prompt; advantages are normalised within a group.")
     prompts_per_step: int = Field(32, ge=1, le=65536, description="Prompts per training step.")
     micro_batch_size: int = Field(4, ge=1, le=4096, description="Samples per forward/backward on one rank.")
-    total_steps: int = Field(100, ge=1, le=10_000_000, description="Training steps to run.")
+    total_steps: int = Field(100, ge=1, le=10_000_000, description="Training steps to run (unless epochs is set).")
     learning_rate: float = Field(1e-6, gt=0, le=1, description="AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay.")
-    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    weight_decay: float = Field(0.01, ge=0, le=1, description="AdamW weight decay (verl, SkyRL and NeMo-RL use 0.01).")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in optimizer updates.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    kl_coef: float = Field(0.001, ge=0, description="Weight of the KL penalty to the reference policy; 0 disables it.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy; 0 "
+                           "(the default, as in verl and DAPO) disables it and keeps no reference model.")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
     clip_ratio_low: float = Field(0.2, ge=0, le=1, description="PPO clip: ratio lower bound is 1 - clipRatioLow.")
-    clip_ratio_high: float = Field(0.28, ge=0, le=10, description="PPO clip: ratio upper bound is 1 + clipRatioHigh.")
+    clip_ratio_high: float = Field(0.2, ge=0, le=10, description="PPO clip: ratio upper bound is 1 + "
+                                   "clipRatioHigh (DAPO's clip-higher: 0.28).")
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature for rollouts.")
     seed: int = Field(42, ge=0, le=2**31 - 1, description="Seed for data order, sampling and initialisation.")
+    mini_batch_size: int | None = Field(None, ge=1, le=65536, description="Prompts (whole groups) per "
+                                        "optimizer update; the step's batch gives promptsPerStep / "
+                                        "miniBatchSize updates per epoch. Default: promptsPerStep (one update).")
+    update_epochs: int = Field(1, ge=1, le=100, description="Passes over the step's batch (PPO epochs); "
+                               "updates per step = updateEpochs x promptsPerStep / miniBatchSize.")
+    log_prob_micro_batch_size: int | None = Field(None, ge=1, le=4096, description="Samples per forward "
+                                                  "when computing old and reference log-probs (no "
+                                                  "gradients, so larger fits). Default: microBatchSize.")
+    epochs: int | None = Field(None, ge=1, le=100_000, description="Passes over the training data; "
+                               "when set it replaces totalSteps: ceil(epochs x prompts / promptsPerStep) steps.")
+    kl_clamp: float = Field(10.0, gt=0, le=1000, description="Per-token k3 KL values are clamped to "
+                            "this (verl and NeMo-RL clamp at 10): one token cannot dominate the penalty.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling for rollouts.")
+    top_k: int = Field(-1, ge=-1, le=1_000_000, description="Top-k sampling for rollouts; -1 disables it.")
+    stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings for rollouts "
+                            "(the stop string is kept out of the response).")
 
 
 class Resources(APIModel):
@@ -170,7 +225,9 @@ class Resources(APIModel):
 class MoESpec(APIModel):
     expert_implementation: Literal["grouped", "loop"] = Field(
         "grouped", description="grouped: all experts in batched GEMMs (fast); loop: one expert at a time.")
-    router_aux_loss_coef: float = Field(0.001, ge=0, description="Load-balancing loss weight.")
+    router_aux_loss_coef: float = Field(0.0, ge=0, description="Load-balancing loss weight; 0 (off) "
+                                        "for RL, as in verl, SkyRL and NeMo-RL: the aux loss makes the "
+                                        "trainer's log-probs drift from the engine's.")
 
 
 class TrainerSpec(APIModel):
@@ -185,9 +242,40 @@ class TrainerSpec(APIModel):
     resources: Resources = Field(default_factory=Resources, description="Per-pod CPU and memory.")
 
 
+class HeadResources(Resources):
+    """The head runs only the driver (no actors): smaller defaults than a worker pod's."""
+
+    cpu: str = Field("2", pattern=QUANTITY_PATTERN, description="CPU request and limit of the head pod.")
+    memory: str = Field("8Gi", pattern=QUANTITY_PATTERN, description="Memory request and limit of the head pod.")
+
+
 class HeadSpec(APIModel):
-    resources: Resources = Field(default_factory=lambda: Resources(cpu="2", memory="8Gi"),
-                                 description="CPU and memory of the Ray head pod, where the driver runs.")
+    resources: HeadResources = Field(default_factory=HeadResources,
+                                     description="CPU and memory of the Ray head pod, where the driver runs.")
+
+
+class EngineArgs(APIModel):
+    """The vLLM engine arguments a job may set: an allow-list. kuberl sets the rest itself (model,
+    dtype, tensor parallelism, context length, seed, log-prob mode, sleep mode, weight receiver),
+    because weight sync, resume and the trainer's numerics depend on them."""
+
+    max_num_seqs: int | None = Field(None, ge=1, le=65536, description="vLLM max_num_seqs: sequences per scheduler step.")
+    max_num_batched_tokens: int | None = Field(None, ge=1, le=16_777_216,
+                                               description="vLLM max_num_batched_tokens: tokens per scheduler step.")
+    enable_chunked_prefill: bool | None = Field(None, description="vLLM enable_chunked_prefill.")
+    enable_prefix_caching: bool | None = Field(None, description="vLLM enable_prefix_caching (kuberl: on).")
+    block_size: int | None = Field(None, ge=1, le=1024, description="vLLM block_size: tokens per KV-cache block.")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = Field(
+        None, description="vLLM kv_cache_dtype.")
+    cpu_offload_gb: float | None = Field(None, ge=0, le=4096, description="vLLM cpu_offload_gb.")
+    enforce_eager: bool | None = Field(None, description="vLLM enforce_eager: no CUDA graphs (always on for CPU engines).")
+    max_logprobs: int | None = Field(None, ge=0, le=1024, description="vLLM max_logprobs.")
+    disable_log_stats: bool | None = Field(None, description="vLLM disable_log_stats.")
+
+
+# Environment variables a job may pass to its engines and trainer ranks: tuning knobs of the
+# libraries kuberl runs, never the variables kuberl, Ray or Kubernetes set themselves.
+ENV_NAME_PATTERN = r"^(VLLM|NCCL|TORCH|PYTORCH|CUDA|OMP|MKL|TOKENIZERS|HF_HUB|TRANSFORMERS)_[A-Z0-9_]+$"
 
 
 class RolloutSpec(APIModel):
@@ -206,6 +294,16 @@ class RolloutSpec(APIModel):
     max_response_length: int = Field(1024, ge=1, le=1_048_576, description="Longest response in tokens.")
     colocate: bool = Field(False, description="Run engines on the trainer's GPUs (sleeping while training).")
     resources: Resources = Field(default_factory=Resources, description="Per-pod CPU and memory.")
+    engine_args: EngineArgs = Field(default_factory=EngineArgs, description="vLLM engine arguments "
+                                    "(an allow-list; see docs/api.md for each).")
+    env: dict[str, str] = Field(default_factory=dict, max_length=64, description="Environment "
+                                "variables for the engines and trainer ranks; names must match "
+                                f"{ENV_NAME_PATTERN} (library tuning knobs only).",
+                                json_schema_extra=_rules(rule(
+                                    f"self.all(k, k.matches('{ENV_NAME_PATTERN}'))",
+                                    f"rollout.env: variable names must match {ENV_NAME_PATTERN} "
+                                    "(VLLM_*, NCCL_*, TORCH_*, PYTORCH_*, CUDA_*, OMP_*, MKL_*, "
+                                    "TOKENIZERS_*, HF_HUB_*, TRANSFORMERS_*)")))
 
 
 class WeightSyncSpec(APIModel):
@@ -225,6 +323,9 @@ class CheckpointSpec(APIModel):
         rule("!self.exportHuggingFace || has(self.uri)",
              "checkpoint.exportHuggingFace needs checkpoint.uri (where to write the export)",
              ".exportHuggingFace"),
+        rule("!has(self.exportIntervalSteps) || self.exportHuggingFace",
+             "checkpoint.exportIntervalSteps needs checkpoint.exportHuggingFace: true",
+             ".exportIntervalSteps"),
     ))
     uri: str | None = Field(None, pattern=CHECKPOINT_URI_PATTERN, max_length=2048,
                             description="Where checkpoints go: s3://, gs://, pvc://claim/path or an absolute path.")
@@ -237,8 +338,64 @@ class CheckpointSpec(APIModel):
                                       "(safetensors + config + tokenizer + remote-code files) at the end.")
     format: Literal["dcp", "tar"] = Field("dcp", description="dcp: torch.distributed.checkpoint files; "
                                           "tar: the same packed in one uncompressed tar per rank.")
-    credentials: SecretRef | None = Field(None, description="Secret for writing checkpoints; given to "
-                                          "the Ray containers that upload and to the init container that restores.")
+    credentials: SecretRef | None = Field(None, description="Secret for reading and writing checkpoints; "
+                                          "given to the trainer containers only (each rank uploads its "
+                                          "own shards and restores straight from the URI).")
+    export_interval_steps: int | None = Field(None, ge=1, description="Also export a Hugging Face "
+                                              "model every this many steps (under uri, hf-step-<n>/); "
+                                              "needs exportHuggingFace.")
+
+
+class ValidationSpec(APIModel):
+    """Held-out evaluation: the reward of greedy (or sampled) responses on a separate file, with its
+    own sampling parameters. The file uses spec.data's field names, template and system prompt."""
+
+    uri: str = uri_field("Validation prompts: a .jsonl or .parquet file (or a prefix of them).")
+    interval_steps: int = Field(10, ge=1, description="Validate every this many steps (and after the last).")
+    before_training: bool = Field(True, description="Validate once before the first step (step 0).")
+    n: int = Field(1, ge=1, le=1024, description="Samples per prompt; when > 1, pass@n is reported too.")
+    temperature: float = Field(0.0, ge=0, le=10, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
+    top_k: int = Field(-1, ge=-1, le=1_000_000, description="Top-k sampling; -1 disables it.")
+    stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings.")
+    max_response_length: int | None = Field(None, ge=1, le=1_048_576,
+                                            description="Longest response; default rollout.maxResponseLength.")
+    max_prompts: int | None = Field(None, ge=1, description="Use only the first this many prompts.")
+    pass_threshold: float = Field(1.0, description="A sample passes (for pass@n) when its reward is at least this.")
+
+
+class WandbSpec(APIModel):
+    project: str = Field(min_length=1, max_length=128, description="W&B project.")
+    entity: str | None = Field(None, max_length=128, description="W&B entity (team or user).")
+    group: str | None = Field(None, max_length=128, description="W&B run group.")
+    mode: Literal["online", "offline"] = Field("online", description="offline writes the run to "
+                                               "directory (sync it later with `wandb sync`).")
+    directory: str | None = Field(None, max_length=2048, pattern=r"^/", description="Absolute path for "
+                                  "W&B's files (offline runs); default: the run's work directory.")
+    credentials: SecretRef | None = Field(None, description="Secret with WANDB_API_KEY (and optionally "
+                                          "WANDB_BASE_URL); given to the head pod only. Needed online.")
+
+
+class MlflowSpec(APIModel):
+    tracking_uri: str = Field(min_length=1, max_length=2048, pattern=r"^(https?://\S+|file:/\S+)$",
+                              description="MLflow tracking server (http(s)://) or a local file store "
+                                          "(file:/abs/path, e.g. on a mounted volume; the offline mode).")
+    experiment: str | None = Field(None, max_length=256, description="Experiment name; default the job name.")
+    credentials: SecretRef | None = Field(None, description="Secret with MLFLOW_TRACKING_TOKEN or "
+                                          "MLFLOW_TRACKING_USERNAME/PASSWORD; given to the head pod only.")
+
+
+class TensorboardSpec(APIModel):
+    log_dir: str = Field(min_length=2, max_length=2048, pattern=r"^/\S*$",
+                         description="Absolute directory for TensorBoard event files (e.g. a mounted volume).")
+
+
+class TrackingSpec(APIModel):
+    """Experiment trackers the driver logs every step's metrics to, besides Prometheus (always on)."""
+
+    wandb: WandbSpec | None = Field(None, description="Weights & Biases (the wandb library).")
+    mlflow: MlflowSpec | None = Field(None, description="MLflow (the mlflow library).")
+    tensorboard: TensorboardSpec | None = Field(None, description="TensorBoard event files (the tensorboard library).")
 
 
 class NumaSpec(APIModel):
@@ -306,7 +463,7 @@ class RLTrainingJobSpec(APIModel):
                        description="Worker image: Ray + torch + vLLM + kuberl (see images/worker).")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="Pull policy for every container.")
-    reward: RewardSpec = Field(default_factory=lambda: RewardSpec(builtin="math_exact_match"),
+    reward: RewardSpec = Field(default_factory=lambda: RewardSpec(builtin="gsm8k_strict"),
                                description="How responses are scored.")
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="RL algorithm and its hyper-parameters.")
     head: HeadSpec = Field(default_factory=HeadSpec, description="The Ray head pod (runs the driver).")
@@ -314,6 +471,9 @@ class RLTrainingJobSpec(APIModel):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rollout engines.")
     weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec, description="Trainer -> engine weight transfer.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpointing and resume.")
+    validation: ValidationSpec | None = Field(None, description="Held-out evaluation during training.")
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="Experiment trackers "
+                                   "(W&B, MLflow, TensorBoard) besides Prometheus.")
     numa: NumaSpec = Field(default_factory=NumaSpec, description="CPU/memory placement of GPU processes.")
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, description="Where pods may run.")
     suspend: bool = Field(False, description="true: checkpoint and tear the cluster down; false resumes.")
@@ -340,6 +500,8 @@ class Progress(APIModel):
     reward: float | None = None
     tokens_per_second: float | None = None
     updated_time: datetime | None = None
+    validation_reward: float | None = None
+    validation_step: int | None = None
 
 
 class CheckpointRef(APIModel):

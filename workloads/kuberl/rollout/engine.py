@@ -35,7 +35,7 @@ def engine_args(spec, local_model_path: str, served_model_name: str, *, engine_i
     # closures; a traced graph would keep the closures it saw, so weight sync could never reach
     # generation. No graph capture on CPU: the closures the reload rebuilds are the ones called.
     cpu_only = {"enforce_eager": True, "compilation_config": {"mode": 0}} if on_cpu else {}
-    return AsyncEngineArgs(
+    kwargs = dict(
         model=local_model_path,
         tokenizer=local_model_path,
         served_model_name=served_model_name,
@@ -50,8 +50,12 @@ def engine_args(spec, local_model_path: str, served_model_name: str, *, engine_i
         logprobs_mode="processed_logprobs",
         enable_sleep_mode=rollout.colocate and not on_cpu,
         worker_extension_cls=WORKER_EXTENSION,
-        **cpu_only,
     )
+    # spec.rollout.engineArgs (an allow-list) may override the tunable ones, e.g. prefix caching;
+    # CPU engines keep their eager mode whatever the spec says.
+    kwargs.update(rollout.engine_args.model_dump(exclude_none=True))
+    kwargs.update(cpu_only)
+    return AsyncEngineArgs(**kwargs)
 
 
 class RolloutEngine:
@@ -120,7 +124,8 @@ class RolloutEngine:
                              f"(rollout.maxPromptLength + rollout.maxResponseLength)")
 
     async def generate(self, prompts: list[list[int]], n: int, *, temperature: float, max_tokens: int,
-                       seed: int | None = None, group_offset: int = 0) -> list[list[Sample]]:
+                       seed: int | None = None, group_offset: int = 0, top_p: float = 1.0, top_k: int = -1,
+                       stop: list[str] | None = None) -> list[list[Sample]]:
         """``n`` samples per prompt with the sampled tokens' log-probs; ``Sample.group`` is the
         prompt's index (plus ``group_offset``, for the pool's share of a larger batch)."""
         from vllm import SamplingParams
@@ -131,6 +136,7 @@ class RolloutEngine:
         for i, prompt in enumerate(prompts):
             group = group_offset + i
             params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0,
+                                    top_p=top_p, top_k=top_k, stop=stop or None,
                                     seed=None if seed is None else seed + group)
             requests.append(self._one(prompt, params, group))
         return list(await asyncio.gather(*requests))

@@ -47,6 +47,8 @@ class EnginePool:
         if count < 1:
             raise ValueError(f"num_engines must be at least 1, got {count}")
         options = {"num_cpus": 1, "num_gpus": topo.gpus_per_engine, "max_concurrency": 1000}
+        if spec.rollout.env:
+            options["runtime_env"] = {"env_vars": dict(spec.rollout.env)}
         if ray.cluster_resources().get(topo.rollout_resource, 0) > 0:
             options["resources"] = {topo.rollout_resource: 1}
         placements: list[tuple[str | None, list[str] | None]] = [(None, None)] * count
@@ -67,13 +69,14 @@ class EnginePool:
         self._server = None
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, max_tokens: int,
-                 seed: int | None = None) -> list[list[Sample]]:
-        """Contiguous shares of ``prompts`` per engine; results in prompt order."""
+                 seed: int | None = None, **sampling) -> list[list[Sample]]:
+        """Contiguous shares of ``prompts`` per engine; results in prompt order. ``sampling``:
+        ``top_p``, ``top_k``, ``stop`` (``RolloutEngine.generate``)."""
         if not prompts:
             return []
         per = -(-len(prompts) // len(self.engines))
         refs = [engine.generate.remote(prompts[lo:lo + per], n, temperature=temperature,
-                                       max_tokens=max_tokens, seed=seed, group_offset=lo)
+                                       max_tokens=max_tokens, seed=seed, group_offset=lo, **sampling)
                 for engine, lo in zip(self.engines, range(0, len(prompts), per))]
         return [group for share in ray.get(refs) for group in share]
 

@@ -45,7 +45,7 @@ def embedded_job(root: Path) -> RLTrainingJob:
             "data": {"uri": str(data)},
             "reward": {"builtin": "repeat_letter"},
             "algorithm": {"groupSize": 8, "promptsPerStep": 8, "microBatchSize": 16, "totalSteps": 40,
-                          "learningRate": 3e-3, "klCoef": 0.0, "seed": 7},
+                          "learningRate": 3e-3, "klCoef": 0.0, "weightDecay": 0.0, "seed": 7},
             "trainer": {"gpusPerReplica": 0, "processesPerReplica": 2, "paramDtype": "float32",
                         "gradientCheckpointing": False},
             "rollout": {"gpusPerReplica": 0, "maxPromptLength": 64, "maxResponseLength": 16},
@@ -77,6 +77,7 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     from kuberl.train.driver import GRPODriver, Preemption
     from kuberl.train.group import TrainerGroup
     from kuberl.train.report import reporter_from_env
+    from kuberl.train.tracking import make_trackers
 
     spec = job.spec
     if not ray.is_initialized():
@@ -94,10 +95,12 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     reporter = reporter_from_env()
     start_pod_exporter("head")
     with contextlib.ExitStack() as stack:
-        # In a pod both are staged or mounted paths (resolve passes them through); locally URIs.
+        # In a pod these are staged or mounted paths (resolve passes them through); locally URIs.
         model_path = stack.enter_context(resolve(plan.paths.model, revision=plan.paths.model_revision,
                                                  trust_remote_code=spec.model.trust_remote_code))
         data_path = stack.enter_context(resolve(plan.paths.data))
+        validation_path = (stack.enter_context(resolve(plan.paths.validation_data))
+                           if plan.paths.validation_data else None)
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=spec.model.trust_remote_code)
         trainer = TrainerGroup(spec, plan)
         stack.callback(trainer.shutdown)
@@ -107,12 +110,17 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
         weight_sync = make_weight_sync(spec, trainer, engines)
         weight_sync.setup()
         checkpoints = CheckpointManager(plan.checkpoints, plan.resume, trainer, on_committed=reporter.checkpoint)
+        trackers = make_trackers(spec.tracking, run_name=job.metadata.name,
+                                 run_id=job.metadata.uid or job.metadata.name,
+                                 config=job.model_dump(mode="json", by_alias=True, exclude_none=True)["spec"],
+                                 work_dir=Path(plan.paths.scratch))
         driver = GRPODriver(job, plan, trainer=trainer, engines=engines, weight_sync=weight_sync, tokenizer=tokenizer,
                             data_path=data_path, checkpoints=checkpoints, reporter=reporter, preemption=preemption,
-                            metrics_file=metrics_file)
+                            metrics_file=metrics_file, validation_path=validation_path, trackers=trackers,
+                            exporter=lambda step: trainer.export_hugging_face(plan.checkpoints.export_uri_at(step)))
         driver.restore()
         code, _ = driver.run(max_steps)
-        if code == 0 and plan.checkpoints.export_hugging_face and driver.step >= spec.algorithm.total_steps:
+        if code == 0 and plan.checkpoints.export_hugging_face and driver.step >= driver.total_steps:
             trainer.export_hugging_face(plan.checkpoints.export_uri)
         return code
 

@@ -2,7 +2,8 @@
 
 Each step: the step's prompts (a pure function of seed and step) -> ``groupSize`` samples per
 prompt from the rollout engines -> rewards -> group-normalised advantages -> old and reference
-log-probs from the trainer -> one policy update -> weight sync to the engines -> metrics, progress
+log-probs from the trainer -> policy updates over mini-batches (``kuberl.train.updates``) -> weight
+sync to the engines -> validation when due -> metrics, trackers, progress
 and, every ``intervalSteps``, a checkpoint. Everything a resumed run needs is in the checkpoint
 (trainer state, step, weight version), so a resumed run continues exactly where it stopped.
 """
@@ -15,16 +16,19 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from kuberl import metrics as pod_metrics
 from kuberl.api.types import RLTrainingJob
 from kuberl.plan import RunPlan
 from kuberl.samples import Sample, TrainBatch
 from kuberl.train.checkpoint import CheckpointManager
-from kuberl.train.data import PromptStream, load_prompts
+from kuberl.train.data import Prompt, PromptStream, check_prompt_lengths, load_for_spec, steps_for_epochs
 from kuberl.train.report import StatusReporter
-from kuberl.train.rewards import load_reward, score
+from kuberl.train.rewards import RewardInput, RewardWorkers
+from kuberl.train.tracking import Trackers
+from kuberl.train.updates import policy_updates
+from kuberl.train.validation import Validator
 
 log = logging.getLogger("kuberl.train")
 
@@ -59,7 +63,9 @@ class Preemption:
 class GRPODriver:
     def __init__(self, job: RLTrainingJob, plan: RunPlan, *, trainer: Any, engines: Any, weight_sync: Any,
                  tokenizer: Any, data_path: str, checkpoints: CheckpointManager, reporter: StatusReporter,
-                 preemption: Preemption | None = None, metrics_file: Path | None = None):
+                 preemption: Preemption | None = None, metrics_file: Path | None = None,
+                 validation_path: str | None = None, trackers: Trackers | None = None,
+                 exporter: Callable[[int], Any] | None = None):
         self.job = job
         self.spec = job.spec
         self.plan = plan
@@ -70,36 +76,48 @@ class GRPODriver:
         self.checkpoints = checkpoints
         self.reporter = reporter
         self.preemption = preemption or Preemption()
-        data = self.spec.data
-        self.stream = PromptStream(load_prompts(data_path, prompt_field=data.prompt_field,
-                                                answer_field=data.answer_field, fmt=data.format),
-                                   self.spec.algorithm.seed)
-        self.reward_fn = load_reward(self.spec.reward)
+        algo = self.spec.algorithm
+        prompts = self._fitting(load_for_spec(data_path, self.spec.data), "spec.data")
+        self.stream = PromptStream(prompts, algo.seed)
+        self.total_steps = (steps_for_epochs(algo.epochs, len(prompts), algo.prompts_per_step)
+                            if algo.epochs else algo.total_steps)
+        self.reward_fn = RewardWorkers(self.spec.reward)
+        self.validator = None
+        if self.spec.validation is not None:
+            held_out = load_for_spec(validation_path or self.spec.validation.uri, self.spec.data,
+                                     spec_field="spec.validation")
+            self.validator = Validator(self.spec.validation, self._fitting(held_out, "spec.validation"),
+                                       engines=engines, tokenizer=tokenizer, reward_fn=self.reward_fn,
+                                       prompt_ids=self._chat_ids,
+                                       max_response_length=self.spec.rollout.max_response_length, seed=algo.seed)
+        self.trackers = trackers or Trackers([])
+        self.exporter = exporter
         self.metrics_file = metrics_file
         self.step = 0
         self.weight_version = 0
 
     # --- one step ------------------------------------------------------------------------------
 
-    def _prompt_ids(self, texts: list[str]) -> list[list[int]]:
-        max_len = self.spec.rollout.max_prompt_length
-        out = []
-        for text in texts:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                     add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-            out.append(list(ids)[-max_len:])
-        return out
+    def _chat_ids(self, messages: Sequence[dict]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        return list(ids)
+
+    def _fitting(self, prompts: list[Prompt], spec_field: str) -> list[Prompt]:
+        """``data.overlongPrompts`` applied: never a silently truncated prompt."""
+        return check_prompt_lengths(prompts, [len(self._chat_ids(p.messages)) for p in prompts],
+                                    self.spec.rollout.max_prompt_length, self.spec.data.overlong_prompts, spec_field)
 
     def rollout(self, step: int) -> list[Sample]:
         algo = self.spec.algorithm
         started = time.perf_counter()
         prompts = self.stream.batch(step, algo.prompts_per_step)
-        groups = self.engines.generate(self._prompt_ids([p.text for p in prompts]), algo.group_size,
+        groups = self.engines.generate([self._chat_ids(p.messages) for p in prompts], algo.group_size,
                                        temperature=algo.temperature,
                                        max_tokens=self.spec.rollout.max_response_length,
-                                       seed=algo.seed * 1_000_003 + step)
-        samples = []
+                                       seed=algo.seed * 1_000_003 + step,
+                                       top_p=algo.top_p, top_k=algo.top_k, stop=algo.stop or None)
+        samples, inputs = [], []
         for index, (prompt, group) in enumerate(zip(prompts, groups, strict=True)):
             for sample in group:
                 sample.group = index
@@ -107,8 +125,13 @@ class GRPODriver:
                 sample.response_text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
                 sample.metadata["answer"] = prompt.answer
                 samples.append(sample)
-        rewards = score(self.reward_fn, [s.prompt_text for s in samples], [s.response_text for s in samples],
-                        [s.metadata["answer"] for s in samples])
+                inputs.append(RewardInput(
+                    prompt=prompt.text, response=sample.response_text, answer=prompt.answer,
+                    data_source=prompt.data_source, extra_info=prompt.extra_info,
+                    prompt_tokens=len(sample.prompt_ids), response_tokens=len(sample.response_ids),
+                    max_response_tokens=self.spec.rollout.max_response_length,
+                    finish_reason=sample.finish_reason, group=index))
+        rewards = self.reward_fn(inputs)
         for sample, reward in zip(samples, rewards, strict=True):
             sample.reward = reward
         pod_metrics.record_rollout(sum(len(s.response_ids) for s in samples), time.perf_counter() - started)
@@ -129,10 +152,12 @@ class GRPODriver:
         for sample, advantage in zip(samples, advantages.tolist(), strict=True):
             sample.advantage = advantage
         batch = TrainBatch(samples)
+        # The behaviour policy's log-probs, before the first update: the ratio of every later
+        # update is measured against them (kuberl.train.updates).
         batch.old_logprobs = self.trainer.log_probs(batch)
         if self.spec.algorithm.kl_coef > 0:
             batch.ref_logprobs = self.trainer.ref_log_probs(batch)
-        metrics = dict(self.trainer.train_step(batch))
+        metrics = policy_updates(self.trainer, batch, self.spec.algorithm)
         if colocated:
             self.engines.wake_up()
         self.weight_version += 1
@@ -159,29 +184,48 @@ class GRPODriver:
         self.weight_sync.sync(self.weight_version)
 
     def run(self, max_steps: int | None = None) -> tuple[int, list[StepResult]]:
-        total = self.spec.algorithm.total_steps
+        total = self.total_steps
         last = total if max_steps is None else min(total, self.step + max_steps)
         results = []
         try:
+            if self.step == 0 and self.validator is not None and self.validator.due(0, total):
+                self._emit(0, self._validate(0))
             while self.step < last:
                 result = self.train_step(self.step)
                 self.step += 1
                 results.append(result)
+                if self.validator is not None and self.validator.due(self.step, total):
+                    result.metrics.update(self._validate(self.step))
                 log.info("step %d/%d %s", self.step, total,
                          " ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items())))
                 self.reporter.progress(self.step, total, result.reward_mean,
                                        result.metrics["tokens_per_second"])
                 pod_metrics.record_step({"step": self.step, **result.metrics})
-                if self.metrics_file:
-                    with self.metrics_file.open("a") as f:
-                        f.write(json.dumps({"step": self.step, **result.metrics}) + "\n")
+                self._emit(self.step, result.metrics)
+                interval = self.spec.checkpoint.export_interval_steps
+                if self.exporter is not None and interval and self.step % interval == 0 and self.step < total:
+                    self.exporter(self.step)
                 if self.checkpoints.due(self.step) or (self.preemption.requested and self.checkpoints.enabled):
                     self.save()
                 if self.preemption.requested:
                     return EXIT_PREEMPTED, results
         finally:
             self.checkpoints.close()
+            self.trackers.close()
         return EXIT_OK, results
+
+    def _validate(self, step: int) -> dict[str, float]:
+        metrics = self.validator.run(step)
+        self.reporter.validation(step, metrics["val/reward"])
+        pod_metrics.record_validation(metrics)
+        return metrics
+
+    def _emit(self, step: int, metrics: dict[str, float]) -> None:
+        """One step's metrics to the metrics file and the experiment trackers."""
+        self.trackers.log(step, metrics)
+        if self.metrics_file:
+            with self.metrics_file.open("a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
 
     def save(self) -> None:
         stall = self.checkpoints.save(self.step, {"weight_version": self.weight_version,

@@ -19,7 +19,6 @@ import logging
 import re
 import shutil
 from pathlib import Path
-from typing import Any
 
 log = logging.getLogger("kuberl.train")
 _RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.([A-Za-z_][A-Za-z0-9_]*)\s+import", re.MULTILINE)
@@ -70,22 +69,15 @@ def copy_remote_code(source: Path, dest: Path) -> list[str]:
     return sorted(copied)
 
 
-def export_hugging_face(trainer: Any, model_path: str | Path, spec: Any, out_dir: Path) -> str:
-    """Export the trained model to ``out_dir`` and, when the job has a checkpoint URI, upload it
-    to ``<checkpoint.uri>/hf``. Returns where it is."""
-    out_dir = Path(out_dir)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    out_dir.mkdir(parents=True)
-    trainer.export_hf(str(out_dir))
-    copied = copy_remote_code(Path(model_path), out_dir) if spec.model.trust_remote_code else []
+def publish_export(out_dir: Path, model_path: str | Path, target_uri: str, *, trust_remote_code: bool) -> str:
+    """Rank 0, once the trainer wrote the model to ``out_dir``: add the model's remote code (only
+    with ``trustRemoteCode``: otherwise the stager never fetched it and no Python file is copied)
+    and upload the directory to ``target_uri``. Returns ``target_uri``."""
+    from kuberl.storage import upload_dir
+
+    copied = copy_remote_code(Path(model_path), Path(out_dir)) if trust_remote_code else []
     if copied:
         log.info("export: copied remote code %s", ", ".join(copied))
-    if spec.checkpoint.uri is None:
-        return str(out_dir)
-    from kuberl.storage import upload_dir
-    from kuberl.uri import parse
-
-    target = parse(spec.checkpoint.uri, "spec.checkpoint.uri").join("hf")
-    upload_dir(out_dir, target)
-    log.info("export: Hugging Face model at %s", target)
-    return target
+    upload_dir(out_dir, target_uri)
+    log.info("export: Hugging Face model at %s", target_uri)
+    return target_uri

@@ -112,8 +112,7 @@ class TrainerActor:
         model's remote-code files, and uploaded from there to ``target_uri``."""
         import shutil
 
-        from kuberl.storage import upload_dir
-        from kuberl.train.export import copy_remote_code
+        from kuberl.train.export import publish_export
 
         out = self.scratch / "hf-export"
         shutil.rmtree(out, ignore_errors=True)
@@ -121,14 +120,10 @@ class TrainerActor:
         if self.worker.rank != 0:
             return target_uri
         try:
-            copied = copy_remote_code(self.worker.model_path, out)
-            if copied:
-                log.info("export: copied remote code %s", ", ".join(copied))
-            upload_dir(out, target_uri)
+            return publish_export(out, self.worker.model_path, target_uri,
+                                  trust_remote_code=self.worker.config.model.trust_remote_code)
         finally:
             shutil.rmtree(out, ignore_errors=True)
-        log.info("export: Hugging Face model at %s", target_uri)
-        return target_uri
 
     def close(self) -> None:
         try:
@@ -152,7 +147,8 @@ class TrainerGroup:
         use_gpu = topo.gpus_per_rank > 0
         resources = ({topo.trainer_resource: 1} if topo.trainer_resource in ray.cluster_resources() else {})
         actor_cls = ray.remote(concurrency_groups={CONCURRENCY_GROUP: 1})(TrainerActor).options(
-            num_cpus=num_cpus_per_worker, num_gpus=topo.gpus_per_rank, resources=resources)
+            num_cpus=num_cpus_per_worker, num_gpus=topo.gpus_per_rank, resources=resources,
+            **({"runtime_env": {"env_vars": dict(spec.rollout.env)}} if spec.rollout.env else {}))
         self.actors = [actor_cls.remote() for _ in range(self.world_size)]
         master_addr, master_port = ray.get(self.actors[0].rendezvous.remote())
         config = TrainerConfig.from_spec(spec, on_gpu=use_gpu)

@@ -46,11 +46,14 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, *,
-               total_tokens: float | torch.Tensor | None = None) -> torch.Tensor:
+               total_tokens: float | torch.Tensor | None = None, clamp: float | None = None) -> torch.Tensor:
     """KL(policy || reference) with the k3 estimator ``exp(ref - lp) - (ref - lp) - 1`` (>= 0,
-    unbiased), token-level mean."""
+    unbiased), token-level mean. ``clamp`` caps each token's value (verl and NeMo-RL: 10), so one
+    token whose probability collapsed cannot dominate the penalty."""
     log_ratio = ref_logprobs - logprobs
     per_token = torch.exp(log_ratio) - log_ratio - 1.0
+    if clamp is not None:
+        per_token = per_token.clamp(max=clamp)
     return masked_token_mean(per_token, mask.to(logprobs.dtype), total_tokens)
 
 

@@ -37,6 +37,11 @@ class StatusReporter:
         self._patch({"progress": {"step": step, "totalSteps": total_steps, "reward": reward,
                                   "tokensPerSecond": tokens_per_second, "updatedTime": _now()}})
 
+    def validation(self, step: int, reward: float) -> None:
+        log.info("validation at step %d: reward %.4f", step, reward)
+        # A merge patch: the rest of progress stays as the last step left it.
+        self._patch({"progress": {"validationReward": reward, "validationStep": step}})
+
     def checkpoint(self, uri: str, step: int) -> None:
         log.info("checkpoint step %d complete: %s", step, uri)
         self._patch({"lastCheckpoint": {"uri": uri, "step": step, "time": _now()}})

@@ -48,6 +48,8 @@ class TrainerConfig:
     # > 0: packed micro-batches of up to this many tokens (kuberl.train.packing) instead of
     # micro_batch_size right-padded samples.
     micro_batch_tokens: int = 0
+    log_prob_micro_batch_size: int | None = None  # default: micro_batch_size
+    kl_clamp: float | None = None
     temperature: float = 1.0
     seed: int = 42
     router_aux_loss_coef: float = 0.0
@@ -62,6 +64,7 @@ class TrainerConfig:
             max_grad_norm=algo.max_grad_norm, kl_coef=algo.kl_coef, entropy_coef=algo.entropy_coef,
             clip_low=algo.clip_ratio_low, clip_high=algo.clip_ratio_high,
             micro_batch_size=algo.micro_batch_size, temperature=algo.temperature, seed=algo.seed,
+            log_prob_micro_batch_size=algo.log_prob_micro_batch_size, kl_clamp=algo.kl_clamp,
             router_aux_loss_coef=trainer.moe.router_aux_loss_coef,
             model=ModelOptions(trust_remote_code=spec.model.trust_remote_code,
                                gradient_checkpointing=trainer.gradient_checkpointing,
@@ -186,7 +189,7 @@ class TrainerWorker:
 
     # ---- batching -------------------------------------------------------------------------
 
-    def _rank_micro_batches(self, batch: TrainBatch) -> list[tuple[TrainBatch, list[float]]]:
+    def _rank_micro_batches(self, batch: TrainBatch, mbs: int | None = None) -> list[tuple[TrainBatch, list[float]]]:
         """This rank's share, padded so every rank runs the same number of micro-batches (FSDP2
         collectives must match); padding samples repeat the last one with weight 0."""
         n = len(batch.samples)
@@ -204,7 +207,7 @@ class TrainerWorker:
         )
         mine = padded.shard(self.rank, self.world_size)
         my_weights = weights[self.rank * per_rank:(self.rank + 1) * per_rank]
-        mbs = self.config.micro_batch_size
+        mbs = mbs or self.config.micro_batch_size
         extra_micro = 0
         if self.config.micro_batch_tokens:
             ranges = packing.split_by_tokens([len(s.prompt_ids) + len(s.response_ids) for s in mine.samples],
@@ -253,7 +256,7 @@ class TrainerWorker:
     def _log_probs(self, model, batch: TrainBatch) -> list[list[float]]:
         model.eval()
         mine: list[list[float]] = []
-        for part, weights in self._rank_micro_batches(batch):
+        for part, weights in self._rank_micro_batches(batch, self.config.log_prob_micro_batch_size):
             mb = self._micro_batch(part, weights)
             logprobs, _, _ = self._forward(model, mb, with_entropy=False)
             grid = logprobs.cpu()
@@ -298,7 +301,7 @@ class TrainerWorker:
             pg, extra = L.policy_loss(logprobs, old, mb.advantages, mb.mask, cfg.clip_low, cfg.clip_high,
                                       total_tokens=global_tokens)
             ent = L.masked_token_mean(entropy, mb.mask, global_tokens)
-            kl = (L.kl_penalty(logprobs, mb.ref_logprobs, mb.mask, total_tokens=global_tokens)
+            kl = (L.kl_penalty(logprobs, mb.ref_logprobs, mb.mask, total_tokens=global_tokens, clamp=cfg.kl_clamp)
                   if cfg.kl_coef > 0 else torch.zeros((), device=self.device))
             total = pg + cfg.kl_coef * kl - cfg.entropy_coef * ent
             aux_term = (aux / len(micro)) if aux is not None else torch.zeros((), device=self.device)

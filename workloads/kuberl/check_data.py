@@ -1,0 +1,44 @@
+"""``kuberl check-data --config JOB PATH``: load a staged data file exactly as the driver will.
+
+Run right after the data is staged (in the init container), so a bad file fails before the Ray
+cluster starts, with a message naming the file, the row and the field. Exit status 0 when every
+row is usable, 1 otherwise (the message says why), 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from kuberl.api.validate import ManifestError, validate_manifest
+from kuberl.train.data import DataError, load_for_spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kuberl check-data", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="the RLTrainingJob manifest (its spec.data fields)")
+    parser.add_argument("path", help="the staged data file or directory")
+    parser.add_argument("--validation", action="store_true",
+                        help="PATH is spec.validation's file (same field names, other messages)")
+    args = parser.parse_args(argv)
+    try:
+        job = validate_manifest(yaml.safe_load(Path(args.config).read_text()))
+    except (OSError, yaml.YAMLError, ManifestError) as exc:
+        print(f"kuberl check-data: --config {args.config}: {exc}", file=sys.stderr)
+        return 2
+    section = "spec.validation" if args.validation else "spec.data"
+    try:
+        prompts = load_for_spec(args.path, job.spec.data, spec_field=section)
+    except DataError as exc:
+        print(f"kuberl check-data: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.path}: {len(prompts)} prompts usable for {section}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
