@@ -102,7 +102,9 @@ def test_base_is_a_build_arg_whose_default_is_a_pinned_public_python(dockerfile)
     match = re.fullmatch(r"python:3\.11\.(\d+)-slim-bookworm", base)
     assert match and int(match.group(1)) >= 13, f"{dockerfile}: BASE_IMAGE={base}"
     froms = [i.args.split()[0] for i in instructions(dockerfile) if i.keyword == "FROM"]
-    assert all(f.startswith("${") for f in froms), f"{dockerfile}: every stage starts from a build ARG: {froms}"
+    aliases = {s.alias for s in stages(dockerfile) if s.alias}
+    assert all(f.startswith("${") or f in aliases for f in froms), \
+        f"{dockerfile}: every stage starts from a build ARG or an earlier stage: {froms}"
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=NAMES)
@@ -115,9 +117,10 @@ def test_dependencies_come_from_the_lock_with_hashes(dockerfile):
     named = re.findall(r"uv pip install ([^&]*)", final)
     for args in named:
         assert "--no-deps" in args, f"{dockerfile}: {args}"
-    uv = " ".join(i.args for i in stage(dockerfile, "uv").all("ARG"))
     required = re.search(r'required-version = "==([\d.]+)"', (REPO_ROOT / "pyproject.toml").read_text()).group(1)
-    assert uv == f"UV_VERSION={required}", "the images' uv is the version pyproject.toml requires"
+    assert global_args(dockerfile)["UV_VERSION"] == required, "the images' uv is the version pyproject.toml requires"
+    # uv is a build tool: the final stage installs it into /tmp and removes it in the same step.
+    assert "--target /tmp/uv" in final and "rm -rf /tmp/uv" in final
 
 
 def test_each_image_installs_only_its_extra():
