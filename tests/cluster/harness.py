@@ -15,6 +15,7 @@ module, the version that runs (see kuberay_crds()).
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import shutil
@@ -55,12 +56,15 @@ class ClusterError(RuntimeError):
     """The control plane did not come up; the message names the component and its log."""
 
 
-def kuberay_crds() -> list[dict]:
-    """KubeRay's CRDs at the version the harness builds and runs (from its Go module)."""
+@functools.cache
+def kuberay_crds() -> tuple[dict, ...]:
+    """KubeRay's CRDs at the version the harness builds and runs (from its Go module). Parsed
+    once per process (about 3.5 MB of YAML; libyaml's loader when PyYAML has it). Read-only."""
     path = data_path("kuberay-operator")
     if not path.is_file():
         raise ClusterError(f"KubeRay CRDs not built ({path}); run `python -m tests.cluster build`")
-    return [crd for crd in yaml.safe_load_all(path.read_text()) if crd]
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return tuple(crd for crd in yaml.load_all(path.read_text(), Loader=loader) if crd)
 
 
 def free_port() -> int:
