@@ -157,7 +157,8 @@ def test_secrets_reach_only_the_containers_that_use_them():
         for c in pod["initContainers"] + pod["containers"]:
             seen[(role, c["name"])] = [e["secretRef"]["name"] for e in c.get("envFrom", [])]
     assert seen == {
-        ("head", "stage-model"): ["model-creds"], ("head", "stage-data"): ["data-creds"], ("head", "ray-head"): [],
+        ("head", "stage-model"): ["model-creds"], ("head", "stage-data"): ["data-creds"],
+        ("head", "check-data"): [], ("head", "ray-head"): [],
         ("trainer", "stage-model"): ["model-creds"], ("trainer", "ray-trainer"): ["ckpt-creds"],
         ("rollout", "stage-model"): ["model-creds"], ("rollout", "ray-rollout"): [],
     }

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kuberl.api.types import CheckpointSpec
-from kuberl.storage import StorageError, commit_checkpoint, resolve, stage
-from kuberl.train.checkpoint import TRAINER_TAR, CheckpointManager
+from kuberl.storage import StorageError, commit_checkpoint, resolve, stage, verify_checkpoint
+from kuberl.train.checkpoint import fetch_tar_parts, tar_name
 
 REPO = Path(__file__).resolve().parents[2]
 TIB = 1 << 40
@@ -137,27 +136,25 @@ def test_a_plain_checkpoint_tar_still_unpacks(s3, s3_env, tmp_path):
 
 def _tar_checkpoint(local: Path, archive: bytes) -> Path:
     local.mkdir(parents=True)
-    (local / TRAINER_TAR).write_bytes(archive)
+    (local / tar_name(0)).write_bytes(archive)
     (local / "driver.json").write_text(json.dumps({"step": 7, "weight_version": 7}))
     return local
 
 
 @pytest.mark.parametrize("archive, words", [
     (symlink_chain_tar(), "a link to"),
-    (tar_bytes(file_member("driver.json", b'{"step": 999}')), "already exists"),
     (sparse_tar(TIB), "a sparse file"),
 ])
 def test_restore_of_a_hostile_tar_checkpoint_fails_and_writes_nothing_outside(s3, tmp_path, archive, words):
+    """What a trainer rank's restore of a ``format: tar`` checkpoint runs (RankCheckpointer.load):
+    each rank's tar unpacked into a directory of its own by the stager's one extraction."""
     fs, bucket = s3
     root = f"s3://{bucket}/run"
-    commit_checkpoint(_tar_checkpoint(tmp_path / "local", archive), root, 7)
-    manager = CheckpointManager(CheckpointSpec(uri=root, format="tar"), tmp_path / "work")
-    loaded = []
+    uri = commit_checkpoint(_tar_checkpoint(tmp_path / "local", archive), root, 7)
+    verify_checkpoint(uri)  # an intact checkpoint whose tar is hostile: the extraction refuses it
     with pytest.raises(StorageError, match=words):
-        manager.restore(manager.source(None), loaded.append)
-    assert loaded == []
+        fetch_tar_parts(uri, 1, tmp_path / "work" / "restore")
     assert not (tmp_path / "outside").exists() and not (tmp_path / "work" / "outside").exists()
-    assert list((tmp_path / "work").iterdir()) == []  # the restore directory is removed
 
 
 # --- checkpoints are staged only as COMPLETE lists them --------------------------------------------
@@ -183,9 +180,9 @@ def test_checkpoint_changed_after_complete_is_refused(s3, s3_env, tmp_path):
     refused(result, "do not match its COMPLETE manifest", "trainer/shard-0 has 150 bytes",
             "trainer/shard-1 is not in it")
     assert not (tmp_path / "dst" / ".complete").exists()
-    manager = CheckpointManager(CheckpointSpec(uri=root), tmp_path / "work")
+    # A trainer rank's restore reads the step in place: it verifies the same way first.
     with pytest.raises(StorageError, match="do not match its COMPLETE manifest"):
-        manager.restore(manager.source(None), lambda path: None)
+        verify_checkpoint(f"{root}/step-000000005")
 
 
 def test_checkpoint_missing_a_listed_file_is_refused(s3, s3_env, tmp_path):

@@ -11,9 +11,9 @@ from kuberl.storage.checkpoints import (checkpoint_dirname, checkpoint_to_restor
                                         withdraw_from)
 from kuberl.storage.errors import StorageError
 from kuberl.storage.resolve import resolve
-from kuberl.storage.staging import StageResult, stage
+from kuberl.storage.staging import StageResult, stage, verify_checkpoint
 from kuberl.storage.upload import upload_dir
 
 __all__ = ["StageResult", "StorageError", "checkpoint_dirname", "checkpoint_to_restore", "commit_checkpoint",
            "commit_records", "latest_checkpoint", "prune_checkpoints", "resolve", "stage", "step_uri",
-           "upload_dir", "withdraw_from"]
+           "upload_dir", "verify_checkpoint", "withdraw_from"]

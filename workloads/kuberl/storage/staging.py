@@ -105,6 +105,18 @@ def stage(src: str, dst: str | Path, *, workers: int = DEFAULT_WORKERS,
     return result
 
 
+def verify_checkpoint(uri: str, *, attempts: int = 5) -> None:
+    """Refuse checkpoint ``uri`` unless its files are exactly what its COMPLETE lists (what a
+    restore that reads in place, without staging, checks first)."""
+    parsed = parse(uri, "checkpoint")
+    fs = filesystems.filesystem(parsed)
+    root = filesystems.root_path(parsed)
+    files = list_source(fs, parsed, root, uri, attempts=attempts)
+    if not any(f.rel == COMPLETE for f in files):
+        raise StorageError(f"{uri}: no {COMPLETE}: not a complete checkpoint; restore another step")
+    check_against_manifest(fs, files, uri, (), attempts)
+
+
 def check_against_manifest(fs, files: list[RemoteFile], src: str, exclude: Sequence[str],
                            attempts: int) -> None:
     """A source whose top level holds ``COMPLETE`` is a checkpoint: refuse it unless the listing

@@ -40,7 +40,7 @@ from typing import Any, Callable
 from kuberl import metrics as pod_metrics
 from kuberl.plan import Checkpoints, Resume
 from kuberl.storage import (checkpoint_to_restore, commit_records, latest_checkpoint, prune_checkpoints, stage,
-                            step_uri, upload_dir, withdraw_from)
+                            step_uri, upload_dir, verify_checkpoint, withdraw_from)
 from kuberl.storage import filesystems
 from kuberl.storage.errors import StorageError, with_retries
 from kuberl.uri import parse
@@ -61,6 +61,20 @@ def extra_name(rank: int, world_size: int) -> str:
 
 def tar_name(rank: int) -> str:
     return f"trainer-rank{rank}.tar"
+
+
+def fetch_tar_parts(uri: str, world_size: int, local: Path) -> Path:
+    """Stage every rank's tar of checkpoint ``uri`` into its own directory below ``local`` (the
+    stager's one safe extraction: no links, devices or sparse members, sizes bounded) and gather
+    their trainer files; returns that trainer directory."""
+    shutil.rmtree(local, ignore_errors=True)
+    trainer = local / TRAINER_DIR
+    for rank in range(world_size):
+        stage(parse(uri).join(tar_name(rank)), local / str(rank))
+        trainer.mkdir(parents=True, exist_ok=True)
+        for item in (local / str(rank) / TRAINER_DIR).iterdir():
+            item.replace(trainer / item.name)
+    return trainer
 
 
 def find_checkpoint(resume: Resume) -> str | None:
@@ -175,16 +189,12 @@ class RankCheckpointer:
         base = filesystems.root_path(parsed)
         local = None
         try:
+            # Read in place, so verified first: exactly the files COMPLETE lists, at their sizes.
+            verify_checkpoint(uri)
             if self.spec.format == "tar" or with_retries(lambda: fs.exists(f"{base}/{tar_name(0)}"), uri=uri):
                 # One tar per rank: this rank fetches every rank's part (dcp may read any of them).
                 local = self.scratch / "restore"
-                shutil.rmtree(local, ignore_errors=True)
-                for rank in range(self.world_size):
-                    stage(parse(uri).join(tar_name(rank)), local / str(rank))
-                    for item in (local / str(rank) / TRAINER_DIR).iterdir():
-                        (local / TRAINER_DIR).mkdir(parents=True, exist_ok=True)
-                        item.replace(local / TRAINER_DIR / item.name)
-                reader_path, reader_fs = str(local / TRAINER_DIR), None
+                reader_path, reader_fs = str(fetch_tar_parts(uri, self.world_size, local)), None
             else:
                 reader_path, reader_fs = f"{base}/{TRAINER_DIR}", (fs if parsed.is_cloud else None)
             extra_path = f"{reader_path}/{extra_name(self.rank, self.world_size)}"
