@@ -65,7 +65,7 @@ def test_network_policy_admits_only_the_job_kuberay_operators_and_prometheus_to_
     assert own == {"from": [{"podSelector": {"matchLabels": {"kuberl.dev/job": "np-job"}}}]}
     assert dashboard["ports"] == [{"protocol": "TCP", "port": RAY_DASHBOARD_PORT}]
     submitter, kuberay, operator = dashboard["from"]
-    assert submitter["podSelector"]["matchLabels"]["ray.io/originated-from-cr-name"] == "np-job-r2"
+    assert submitter["podSelector"]["matchLabels"] == {"batch.kubernetes.io/job-name": "np-job-r2"}
     assert "namespaceSelector" not in submitter  # the submitter runs beside the job
     for peer in (kuberay, operator, *metrics["from"]):
         assert peer["namespaceSelector"] == {"matchLabels": {"kuberl.dev/ray-head-peers": "true"}}

@@ -453,8 +453,8 @@ def render_network_policy(job: t.RLTrainingJob, attempt: int = 0) -> dict[str, A
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": {"kuberl.dev/job": job.metadata.name}}}]},
                 {"from": [
-                    {"podSelector": {"matchLabels": {"ray.io/originated-from-cr-name": ray_job_name(job, attempt),
-                                                     "ray.io/originated-from-crd": "RayJob"}}},
+                    # KubeRay submits through a Job named after the RayJob; the Job controller labels its pod.
+                    {"podSelector": {"matchLabels": {"batch.kubernetes.io/job-name": ray_job_name(job, attempt)}}},
                     {"namespaceSelector": trusted,
                      "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}},
                     {"namespaceSelector": trusted,
