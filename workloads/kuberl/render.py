@@ -455,8 +455,10 @@ def render_network_policy(job: t.RLTrainingJob, attempt: int = 0) -> dict[str, A
                 {"from": [
                     # KubeRay submits through a Job named after the RayJob; the Job controller labels its pod.
                     {"podSelector": {"matchLabels": {"batch.kubernetes.io/job-name": ray_job_name(job, attempt)}}},
+                    # KubeRay's operator as its Helm chart (kuberay-operator) or kustomize config (kuberay) labels it.
                     {"namespaceSelector": trusted,
-                     "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}},
+                     "podSelector": {"matchExpressions": [{"key": "app.kubernetes.io/name", "operator": "In",
+                                                           "values": ["kuberay-operator", "kuberay"]}]}},
                     {"namespaceSelector": trusted,
                      "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberl",
                                                      "app.kubernetes.io/component": "operator"}}},
