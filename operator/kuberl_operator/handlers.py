@@ -25,10 +25,8 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from kuberl.api import types as t
-from kuberl.render import RenderError
-from kuberl.uri import URIError
 from kuberl_operator import observed as o
-from kuberl_operator.invalid import REASON, failed_plan, job_problems
+from kuberl_operator.invalid import checked_plan
 from kuberl_operator.kube import Kube
 from kuberl_operator.metrics import Metrics
 from kuberl_operator.reconcile import Event, Plan, Settings, next_action
@@ -168,14 +166,7 @@ class Controller:
             kopf.event(body, type="Warning", reason="InvalidObject", message=f"cannot read the job: {err}")
             return self.settings.resync_seconds
         try:
-            now = datetime.now(timezone.utc)
-            problems = job_problems(job)
-            try:
-                plan = failed_plan(job, problems, now) if problems else \
-                    next_action(job, self.observe(job), now, self.settings)
-            except (RenderError, URIError) as err:  # a field the checks above missed: still final
-                self.metrics.reconcile_errors.labels(REASON).inc()
-                plan = failed_plan(job, [str(err)], now)
+            plan = checked_plan(job, lambda: self.observe(job), datetime.now(timezone.utc), self.settings)
             self.execute(job, body, plan)
             return plan.requeue_after
         except ApiException as err:

@@ -9,12 +9,15 @@ finished jobs alone), so nothing retries it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 
 from kuberl.api import types as t
 from kuberl.api.validate import uri_errors
-from kuberl_operator.observed import format_time
-from kuberl_operator.reconcile import Event, Plan
+from kuberl.render import RenderError
+from kuberl.uri import URIError
+from kuberl_operator.observed import Observed, format_time
+from kuberl_operator.reconcile import Event, Plan, Settings, next_action
 from kuberl_operator.status import FAILED, FINISHED_PHASES
 
 REASON = "InvalidSpec"
@@ -45,3 +48,15 @@ def failed_plan(job: t.RLTrainingJob, problems: list[str], now: datetime) -> Pla
     if job.metadata.generation is not None:
         status["observedGeneration"] = job.metadata.generation
     return Plan(status=status, events=[Event("Warning", REASON, message)])
+
+
+def checked_plan(job: t.RLTrainingJob, observe: Callable[[], Observed], now: datetime, settings: Settings) -> Plan:
+    """``next_action`` for a job that can run; ``failed_plan`` for one that cannot, whether the
+    checks above say so or rendering does (a field they missed: still final, never retried)."""
+    problems = job_problems(job)
+    if problems:
+        return failed_plan(job, problems, now)
+    try:
+        return next_action(job, observe(), now, settings)
+    except (RenderError, URIError) as err:
+        return failed_plan(job, [str(err)], now)

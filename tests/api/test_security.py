@@ -51,7 +51,7 @@ def test_stage_model_leaves_python_out_unless_remote_code_is_trusted(trust):
         assert ("*.py" in excluded) is not trust
 
 
-def test_network_policy_admits_only_the_job_kuberay_operators_and_prometheus_to_the_head():
+def test_network_policy_admits_only_the_job_kuberay_operators_and_prometheus_to_its_pods():
     manifest = minimal_manifest("np-job")
     manifest["metadata"]["namespace"] = "team-a"
     objects = render_manifest(manifest, attempt=2)
@@ -59,13 +59,13 @@ def test_network_policy_admits_only_the_job_kuberay_operators_and_prometheus_to_
     assert [o["kind"] for o in objects][-2:] == ["NetworkPolicy", "RayJob"]  # in place before the pods exist
     assert policy["metadata"]["namespace"] == "team-a"
     spec = policy["spec"]
-    assert spec["podSelector"]["matchLabels"] == {"kuberl.dev/job": "np-job", "kuberl.dev/role": "head"}
+    assert spec["podSelector"]["matchLabels"] == {"kuberl.dev/job": "np-job"}  # the head and every worker
     assert spec["policyTypes"] == ["Ingress"]
     own, dashboard, metrics = spec["ingress"]
     assert own == {"from": [{"podSelector": {"matchLabels": {"kuberl.dev/job": "np-job"}}}]}
     assert dashboard["ports"] == [{"protocol": "TCP", "port": RAY_DASHBOARD_PORT}]
     submitter, kuberay, operator = dashboard["from"]
-    assert submitter["podSelector"]["matchLabels"]["ray.io/originated-from-cr-name"] == "np-job-r2"
+    assert submitter["podSelector"]["matchLabels"] == {"batch.kubernetes.io/job-name": "np-job-r2"}
     assert "namespaceSelector" not in submitter  # the submitter runs beside the job
     for peer in (kuberay, operator, *metrics["from"]):
         assert peer["namespaceSelector"] == {"matchLabels": {"kuberl.dev/ray-head-peers": "true"}}

@@ -17,6 +17,8 @@ def test_lint_defaults_and_every_switch(helm):
     helm.run("lint", "--strict", str(CHART))
     helm.run("lint", "--strict", str(CHART), "--set", "monitoring.serviceMonitor.enabled=true",
              "--set", "monitoring.podMonitor.enabled=true", "--set", "watchNamespaces={team-a,team-b}")
+    helm.run("lint", "--strict", str(CHART), "--set", "monitoring.podMonitor.enabled=true",
+             "--set", "watchAllNamespaces=true")
 
 
 def test_defaults_render_operator_metrics_service_and_dashboards(helm):
@@ -70,7 +72,10 @@ def test_pod_monitor_selects_rendered_worker_pods(helm):
     assert endpoints["kuberl-metrics"]["honorLabels"] is True
     assert "metrics" in endpoints
     assert METRICS_PORT == 9400
-    every_namespace = by_kind(helm.template("--set", "monitoring.podMonitor.enabled=true"), "PodMonitor")[0]
+    default = by_kind(helm.template("--set", "monitoring.podMonitor.enabled=true"), "PodMonitor")[0]
+    assert default["spec"]["namespaceSelector"] == {"matchNames": ["kuberl-system"]}
+    every_namespace = by_kind(helm.template("--set", "monitoring.podMonitor.enabled=true",
+                                            "--set", "watchAllNamespaces=true"), "PodMonitor")[0]
     assert every_namespace["spec"]["namespaceSelector"] == {"any": True}
 
 
@@ -108,6 +113,7 @@ def test_dashboards_can_be_turned_off_or_moved(helm):
     ("watchNamespaces={Team_A}", "/watchNamespaces/0"),
     ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
     ("operatr.replicas=1", "additional properties 'operatr' not allowed"),
+    ("watchAllNamespaces=maybe", "/watchAllNamespaces"),
 ])
 def test_schema_rejects_bad_values_naming_the_key(helm, setting, message):
     result = helm.run("template", "kuberl", str(CHART), "--set", setting, check=False)
@@ -140,3 +146,46 @@ def test_schema_covers_exactly_the_keys_of_values_yaml():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert _value_keys(values, SCHEMA) == _schema_keys(SCHEMA)
     assert SCHEMA["additionalProperties"] is False
+
+
+def _operator_grants(objects: list[dict]) -> dict[tuple[str, str], dict]:
+    """(kind, namespace) -> the Role or ClusterRole holding the operator's rules (not discovery)."""
+    return {(o["kind"], o["metadata"].get("namespace", "")): o for o in objects
+            if o["kind"] in ("Role", "ClusterRole") and not o["metadata"]["name"].endswith("-discovery")}
+
+
+def _args(objects: list[dict]) -> list[str]:
+    deployment, = by_kind(objects, "Deployment")
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_default_scope_is_the_release_namespace(helm):
+    """docs/security.md: by default the operator can create Roles, ServiceAccounts and RayJobs only
+    in its own namespace, never cluster-wide (kube-system included)."""
+    objects = helm.template()
+    assert set(_operator_grants(objects)) == {("Role", "kuberl-system")}
+    binding, = by_kind(objects, "RoleBinding")
+    assert binding["metadata"]["namespace"] == "kuberl-system"
+    assert "--namespace=kuberl-system" in _args(objects) and "--all-namespaces" not in _args(objects)
+    discovery, = [o for o in by_kind(objects, "ClusterRole") if o["metadata"]["name"].endswith("-discovery")]
+    assert {verb for rule in discovery["rules"] for verb in rule["verbs"]} == {"list", "watch"}
+
+
+def test_listed_namespaces_and_the_all_namespaces_opt_in(helm):
+    listed = helm.template("--set", "watchNamespaces={team-a,team-b}")
+    assert set(_operator_grants(listed)) == {("Role", "team-a"), ("Role", "team-b")}
+    assert [a for a in _args(listed) if a.startswith("--namespace")] == ["--namespace=team-a", "--namespace=team-b"]
+    everywhere = helm.template("--set", "watchAllNamespaces=true")
+    assert set(_operator_grants(everywhere)) == {("ClusterRole", "")}
+    assert "--all-namespaces" in _args(everywhere)
+    result = helm.run("template", "kuberl", str(CHART), "--set", "watchAllNamespaces=true",
+                      "--set", "watchNamespaces={team-a}", check=False)
+    assert result.returncode != 0 and "leave watchNamespaces empty" in result.stderr
+
+
+def test_operator_may_write_network_policies_and_never_read_secrets(helm):
+    role, = _operator_grants(helm.template()).values()
+    grants = {(group, resource): set(rule["verbs"]) for rule in role["rules"]
+              for group in rule["apiGroups"] for resource in rule["resources"]}
+    assert grants[("networking.k8s.io", "networkpolicies")] == {"get", "create", "patch"}
+    assert not any(resource == "secrets" for _, resource in grants)

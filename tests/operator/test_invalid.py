@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from kuberl.api import types as t
 from kuberl.api.validate import validate_manifest
-from kuberl_operator.invalid import REASON, failed_plan, job_problems
+from kuberl_operator.invalid import REASON, checked_plan, failed_plan, job_problems
+from kuberl_operator.reconcile import Settings
 from kuberl_operator.status import FINISHED_PHASES
-from tests.operator.factories import NOW, job
+from tests.operator.factories import NOW, job, observed
 
 
 def stored(**model) -> t.RLTrainingJob:
@@ -45,3 +46,13 @@ def test_valid_and_finished_jobs_have_no_problems():
         finished = stored(uri="s3://models/../x").model_copy(
             update={"status": t.RLTrainingJobStatus(phase=phase)})
         assert job_problems(finished) == []
+
+
+def test_checked_plan_fails_invalid_jobs_without_observing_and_plans_valid_ones():
+    def never():
+        raise AssertionError("an invalid job is not observed or rendered")
+
+    bad = checked_plan(stored(uri="s3://models/../x"), never, NOW, Settings())
+    assert bad.status["phase"] == "Failed" and [e.reason for e in bad.events] == [REASON]
+    good = checked_plan(job(), observed, NOW, Settings())
+    assert good.status["phase"] == "Pending" and good.apply

@@ -68,7 +68,7 @@ def test_example_becomes_a_running_rayjob_cluster_and_pods(k8s_cluster, namespac
     job = get_json(k8s_cluster, "rltj", JOB, "-n", namespace)
     [ray_job] = owned(k8s_cluster, "rayjobs", namespace)
     assert ray_job["metadata"]["name"] == JOB
-    for kind in ("rayjobs", "configmaps", "serviceaccounts", "roles", "rolebindings"):
+    for kind in ("rayjobs", "configmaps", "serviceaccounts", "roles", "rolebindings", "networkpolicies"):
         for obj in owned(k8s_cluster, kind, namespace):
             assert [r["uid"] for r in obj["metadata"]["ownerReferences"]] == [job["metadata"]["uid"]], kind
     [cluster] = owned(k8s_cluster, "rayclusters", namespace)

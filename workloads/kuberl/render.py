@@ -9,7 +9,7 @@ One job becomes:
 - a ServiceAccount, Role and RoleBinding whose only right is ``patch`` on this one job's status,
   so the workload can report progress and nothing else.
 - a NetworkPolicy that lets only the job's own pods, KubeRay, the operators and Prometheus reach
-  the Ray head (``render_network_policy``).
+  its Ray pods, the head included (``render_network_policy``).
 
 Models and data reach each pod through init containers that run ``kuberl stage`` into a
 pod-local volume; their credentials Secrets are given to those init containers only. The
@@ -446,26 +446,29 @@ RAY_DASHBOARD_PORT = 8265
 
 
 def render_network_policy(job: t.RLTrainingJob, attempt: int = 0) -> dict[str, Any]:
-    """A NetworkPolicy admitting to this job's Ray head only: the job's own pods (any port: GCS,
-    object transfer, Ray client); KubeRay's submitter pod of the current attempt and the operators
-    (KubeRay's polls the job API) to the dashboard / job-submission port; Prometheus to the metrics
-    ports. The head's job API runs code next to the job's Secrets, so nothing else may reach it."""
+    """A NetworkPolicy admitting to this job's Ray pods, the head first of all, only: the job's own
+    pods (any port: GCS, raylets, object transfer); KubeRay's submitter pod of the current attempt
+    and the operators (KubeRay's polls the job API) to the dashboard / job-submission port, which
+    only the head serves; Prometheus to the metrics ports. Whatever reaches a Ray port can run
+    code next to the job's Secrets, so nothing else may."""
     trusted = {"matchLabels": {PEER_NAMESPACE_LABEL: "true"}}
     dashboard = [{"protocol": "TCP", "port": RAY_DASHBOARD_PORT}]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _metadata(job, f"{job.metadata.name}-ray-head", "network"),
+        "metadata": _metadata(job, f"{job.metadata.name}-ray", "network"),
         "spec": {
-            "podSelector": {"matchLabels": {"kuberl.dev/job": job.metadata.name, "kuberl.dev/role": "head"}},
+            "podSelector": {"matchLabels": {"kuberl.dev/job": job.metadata.name}},
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": {"kuberl.dev/job": job.metadata.name}}}]},
                 {"from": [
-                    {"podSelector": {"matchLabels": {"ray.io/originated-from-cr-name": ray_job_name(job, attempt),
-                                                     "ray.io/originated-from-crd": "RayJob"}}},
+                    # KubeRay submits through a Job named after the RayJob; the Job controller labels its pod.
+                    {"podSelector": {"matchLabels": {"batch.kubernetes.io/job-name": ray_job_name(job, attempt)}}},
+                    # KubeRay's operator as its Helm chart (kuberay-operator) or kustomize config (kuberay) labels it.
                     {"namespaceSelector": trusted,
-                     "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}},
+                     "podSelector": {"matchExpressions": [{"key": "app.kubernetes.io/name", "operator": "In",
+                                                           "values": ["kuberay-operator", "kuberay"]}]}},
                     {"namespaceSelector": trusted,
                      "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberl",
                                                      "app.kubernetes.io/component": "operator"}}},

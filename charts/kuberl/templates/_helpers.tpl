@@ -20,6 +20,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end -}}
 
+{{/* The namespaces the operator reconciles (unless watchAllNamespaces): the list, else the release's. */}}
+{{- define "kuberl.watchNamespaces" -}}
+{{- if and .Values.watchAllNamespaces .Values.watchNamespaces -}}
+{{- fail "watchAllNamespaces: true watches every namespace; leave watchNamespaces empty (or set watchAllNamespaces: false to watch only the listed ones)" -}}
+{{- end -}}
+{{- toYaml (.Values.watchNamespaces | default (list .Release.Namespace)) -}}
+{{- end -}}
+
 {{/* What the operator does in a namespace it watches; nothing more. */}}
 {{- define "kuberl.operatorRules" -}}
 # The jobs: read, write the operator's status fields, delete after ttlSecondsAfterFinished.
@@ -49,6 +57,10 @@ app.kubernetes.io/component: operator
   verbs: [get, create, patch]
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
+  verbs: [get, create, patch]
+# One NetworkPolicy per job guarding its Ray pods.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
   verbs: [get, create, patch]
 - apiGroups: ["", events.k8s.io]
   resources: [events]
