@@ -1,7 +1,7 @@
-"""One real trainer rank without Ray or a model download: a gloo world of one, a small stack of
-FSDP2-sharded Linear layers and AdamW after one step, held by the real ``TrainerWorker`` methods
-that checkpoints use (``checkpoint_state``, ``restore_state``). Shared by the checkpoint tests and
-the subprocess they kill."""
+"""One real trainer rank without Ray or a model download: a gloo world (of one, unless told
+otherwise), a small stack of FSDP2-sharded Linear layers and AdamW after one step, held by the real
+``TrainerWorker`` methods that checkpoints use (``checkpoint_state``, ``restore_state``). Shared by
+the checkpoint tests and the subprocesses they start and kill."""
 
 from __future__ import annotations
 
@@ -14,18 +14,21 @@ from kuberl.train.worker import TrainerWorker
 
 
 class OneRank(TrainerWorker):
-    def __init__(self, layers: int = 2, dim: int = 64, seed: int = 0):  # noqa: D107 - no super(): no model to load
+    def __init__(self, layers: int = 2, dim: int = 64, seed: int = 0, *, rank: int = 0, world_size: int = 1,
+                 port: int | None = None):  # noqa: D107 - no super(): no model to load
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         if not dist.is_initialized():
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-        self.rank, self.world_size, self.device = 0, 1, torch.device("cpu")
+            if port is None:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world_size)
+        self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
         torch.manual_seed(seed)
-        mesh = init_device_mesh("cpu", (1,))
+        mesh = init_device_mesh("cpu", (world_size,))
         self.model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
         for layer in self.model:
             fully_shard(layer, mesh=mesh)
@@ -36,15 +39,21 @@ class OneRank(TrainerWorker):
         self.before_update = lambda: None
         self.step()
 
-    def step(self) -> None:
-        """One optimizer step, guarded as ``TrainerWorker.train_step`` guards it."""
+    def step(self, data_seed: int | None = None) -> float:
+        """One optimizer step, guarded as ``TrainerWorker.train_step`` guards it; the loss, averaged
+        over ranks. ``data_seed``: this step's batch from its own generator, else the global RNG."""
         dim = self.model[0].in_features
-        self.model(torch.randn(4, dim)).square().mean().backward()
+        gen = None if data_seed is None else torch.Generator().manual_seed(data_seed)
+        loss = self.model(torch.randn(4, dim, generator=gen)).square().mean()
+        loss.backward()
+        reduced = loss.detach().clone()
+        dist.all_reduce(reduced)
         self.before_update()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
+        return float(reduced) / self.world_size
 
     def values(self) -> list[float]:
         out = []
