@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     chat_bodies = [{"model": "tiny", "messages": c, "n": args.n, "max_tokens": args.max_tokens,
                     "temperature": 1.0, "seed": i, "logprobs": True} for i, c in enumerate(chats)]
     load_before = os.getloadavg()
+    # Ray first: its node start-up has a fixed 30 s deadline that a loaded machine can miss
+    # while a vLLM engine is starting beside it.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_model(os.path.join(tmp, "model")))
         raw = RawVLLM(model, args)
@@ -119,7 +122,6 @@ def main(argv: list[str] | None = None) -> int:
             "rollout": {"gpusPerReplica": 0, "maxPromptLength": 64,
                         "maxResponseLength": args.max_model_len - 64},
             "numa": {"policy": "none"}})
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
         pool = EnginePool(spec, model, "tiny", num_engines=1)
         loop = asyncio.new_event_loop()
         try:
