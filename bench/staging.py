@@ -195,6 +195,7 @@ def run_link(link: str, args) -> list[dict]:
             def kuberl(prefix):
                 return lambda dst: stage(f"s3://{BUCKET}/{prefix}", dst, workers=args.workers,
                                          part_size=args.part_size_mib << 20,
+                                         checksum=args.checksum,
                                          log_interval_s=3600).downloaded_bytes
 
             def s3fs_get(dst):
@@ -234,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small-count", type=int, default=1000)
     parser.add_argument("--small-kib", type=int, default=64)
     parser.add_argument("--workers", type=int, default=32)
-    parser.add_argument("--part-size-mib", type=int, default=32)
+    parser.add_argument("--part-size-mib", type=int, default=8)
+    parser.add_argument("--checksum", choices=("auto", "size"), default="auto",
+                        help="kuberl stage's --checksum: auto verifies the big object's MD5")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)

@@ -36,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
                         help=f"concurrent requests (default {DEFAULT_WORKERS})")
     parser.add_argument("--part-size", type=_size, default=DEFAULT_PART_SIZE,
-                        help="bytes per ranged request for large files; also bounds memory to "
-                             "about workers x part-size (default 32MiB)")
+                        help="bytes per ranged request for large files (default 8MiB); each "
+                             "range streams in 1 MiB blocks, so memory stays near workers x 1MiB")
     parser.add_argument("--checksum", choices=("auto", "size"), default="auto",
                         help="auto: verify MD5 where the store gives one, and sizes; size: sizes "
                              "only (for SSE-KMS/SSE-C objects, whose ETags are not MD5s)")

@@ -352,11 +352,22 @@ def download_files(fs: fsspec.AbstractFileSystem, files: list[RemoteFile], dst: 
 
     def empty_file(remote: RemoteFile) -> None:
         # An empty object needs no request: the listing already says it has no bytes.
-        target = target_path(dst, remote.rel, uri)
+        target = checked_target(remote)
         part = target.with_name(f".{target.name}{PART_SUFFIX}")
         os.close(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644))
         want = verify_md5 and remote.md5 is not None
         finish(remote, part, target, 0, hashlib.md5(b"").hexdigest() if want else None)
+
+    checked_dirs: dict[str, Path] = {}
+
+    def checked_target(remote: RemoteFile) -> Path:
+        # target_path's check (the parent, resolved, stays inside dst) once per directory, not
+        # once per file: resolving costs a few syscalls per path component, on the main thread,
+        # before any download starts.
+        parent_rel, _, name = remote.rel.rpartition("/")
+        if parent_rel not in checked_dirs:
+            checked_dirs[parent_rel] = target_path(dst, remote.rel, uri).parent
+        return checked_dirs[parent_rel] / name
 
     tasks: list[tuple[Callable, tuple]] = []
     jobs: list[_PartFile] = []
@@ -365,7 +376,7 @@ def download_files(fs: fsspec.AbstractFileSystem, files: list[RemoteFile], dst: 
         if remote.size == 0:
             tasks.append((empty_file, (remote,)))
             continue
-        job = _PartFile(remote, target_path(dst, remote.rel, uri), part_size,
+        job = _PartFile(remote, checked_target(remote), part_size,
                         verify_md5 and remote.md5 is not None)
         jobs.append(job)
         tasks.extend((copy_range, (job, i)) for i in range(job.n_chunks))

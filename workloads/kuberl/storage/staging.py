@@ -26,7 +26,7 @@ from kuberl.storage.safepath import PART_SUFFIX
 from kuberl.uri import ParsedURI, parse
 
 DEFAULT_WORKERS = 32
-DEFAULT_PART_SIZE = 32 << 20
+DEFAULT_PART_SIZE = 8 << 20
 
 
 @dataclass(frozen=True)
