@@ -12,16 +12,16 @@ from tests.cluster.helpers import apply, get_json, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_nodes, pytest.mark.slow]
 
-IMAGES = ("operator", "stager", "worker-cpu")
-
-
 @pytest.fixture(scope="module")
 def node(real_cluster) -> str:
     """One node gets the images (the worker-cpu image is several GB: one import, not one per node)."""
-    name = real_cluster.real_nodes[0].name
-    times = real_cluster.load_images(IMAGES, node_names=[name])
+    return real_cluster.real_nodes[0].name
+
+
+def load(cluster, node: str, image: str) -> str:
+    times = cluster.load_images((image,), node_names=[node])
     print("image build/import seconds:", {k: round(v, 1) for k, v in times.items()})
-    return name
+    return public(image)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def public(name: str) -> str:
 
 
 def test_operator_image(real_cluster, node, namespace):
-    logs = run_pod(real_cluster, namespace, node, "operator", public("operator"), {
+    logs = run_pod(real_cluster, namespace, node, "operator", load(real_cluster, node, "operator"), {
         "help": {"args": ["--help"]},
         "id": {"command": ["id"]},
     })
@@ -71,7 +71,7 @@ def test_operator_image(real_cluster, node, namespace):
 
 
 def test_stager_image(real_cluster, node, namespace):
-    logs = run_pod(real_cluster, namespace, node, "stager", public("stager"), {
+    logs = run_pod(real_cluster, namespace, node, "stager", load(real_cluster, node, "stager"), {
         "help": {},  # the image's CMD is --help
         "id": {"command": ["id"]},
     })
@@ -82,7 +82,7 @@ def test_stager_image(real_cluster, node, namespace):
 def test_worker_cpu_image_imports_its_stack(real_cluster, node, namespace):
     imports = ("import torch, vllm, ray, kuberl, kuberl.train; "
                "print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)")
-    logs = run_pod(real_cluster, namespace, node, "worker-cpu", public("worker-cpu"), {
+    logs = run_pod(real_cluster, namespace, node, "worker-cpu", load(real_cluster, node, "worker-cpu"), {
         "id": {"command": ["id"]},
         "help": {"command": ["kuberl", "--help"]},
         "imports": {"command": ["python", "-c", imports]},
