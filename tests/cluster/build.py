@@ -113,7 +113,7 @@ def _prepare_module(go: str, component: Component, log: Path) -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
     members = [c for c in COMPONENTS.values() if c.group == component.group]
     stamp = workdir / ".resolved"
-    wanted = "\n".join(sorted(f"{c.package}@{c.version}" for c in members))
+    wanted = "\n".join(sorted(f"{c.package}@{c.version}" for c in members) + [c.main_go for c in members if c.main_go])
     if stamp.exists() and stamp.read_text() == wanted:
         return workdir
     gomod = f"module kuberl.dev/clusterbuild/{component.group}\n\ngo {GO_MIN_VERSION[0]}.{GO_MIN_VERSION[1]}\n"
@@ -124,6 +124,12 @@ def _prepare_module(go: str, component: Component, log: Path) -> Path:
     (workdir / "go.mod").write_text(gomod)
     (workdir / "go.sum").unlink(missing_ok=True)
     _run([go, "get", *(f"{c.package}@{c.version}" for c in members)], workdir, log)
+    mains = [c for c in members if c.main_go]
+    if mains:
+        # Our own main package: every module it imports, at the versions `go get` chose.
+        (main,) = mains  # one main package per throwaway module
+        (workdir / "main.go").write_text(main.main_go)
+        _run([go, "mod", "tidy"], workdir, log)
     stamp.write_text(wanted)
     return workdir
 
@@ -165,7 +171,8 @@ def build_component(go: str, component: Component, log: Path) -> float:
         ldflags = " ".join(["-s", "-w", *component.ldflags])
 
         def compile_to(partial: Path) -> None:
-            _run([go, "build", f"-ldflags={ldflags}", "-o", str(partial), component.package], workdir, log)
+            package = "." if component.main_go else component.package
+            _run([go, "build", f"-ldflags={ldflags}", "-o", str(partial), package], workdir, log)
             partial.chmod(0o755)
 
         _atomic_write(target, compile_to)
@@ -175,9 +182,9 @@ def build_component(go: str, component: Component, log: Path) -> float:
 
 
 @contextmanager
-def _cache_lock():
+def _cache_lock(name: str = ".build.lock"):
     cache_dir().mkdir(parents=True, exist_ok=True)
-    with (cache_dir() / ".build.lock").open("w") as handle:
+    with (cache_dir() / name).open("w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield

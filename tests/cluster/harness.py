@@ -23,9 +23,11 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import tempfile
 import threading
 import time
+import uuid
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -33,7 +35,8 @@ from typing import Callable
 
 import yaml
 
-from tests.cluster import pki
+from tests.cluster import images, pki
+from tests.cluster import nodes as realnodes
 from tests.cluster.build import missing_components
 from tests.cluster.components import binary_path, data_path
 from tests.cluster.processes import ComponentExited, Process
@@ -130,17 +133,30 @@ def _wait(what: str, ready: Callable[[], bool], timeout: float, watch: list[Proc
 class Cluster:
     """Start/stop a loopback control plane; see the module docstring."""
 
-    def __init__(self, workdir: Path | None = None, nodes: int = 3, kuberay: bool = True) -> None:
-        """`kuberay=False`: neither the KubeRay CRDs nor its operator (a faster, plain cluster)."""
+    def __init__(self, workdir: Path | None = None, nodes: int = 3, kuberay: bool = True, real_nodes: int = 0) -> None:
+        """`kuberay=False`: neither the KubeRay CRDs nor its operator (a faster, plain cluster).
+        `real_nodes=N`: N real nodes (containerd + kubelet) beside the `nodes` KWOK ones, with
+        kube-proxy and CoreDNS; the control plane then runs in the cluster's network namespace
+        (tests/cluster/nodes.py) and its ports are forwarded to the host's loopback."""
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kuberl-cluster-"))
         self.log_dir = self.workdir / "logs"
         self.pki_dir = self.workdir / "pki"
         self.node_names = [f"kwok-gpu-{i}" for i in range(nodes)]
         self.with_kuberay = kuberay
-        self.ports = {
-            name: free_port()
-            for name in ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok", "kuberay-metrics", "kuberay-probe")
-        }
+        names = ["etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok", "kuberay-metrics", "kuberay-probe"]
+        if real_nodes:
+            names += ["kube-proxy-healthz", "kube-proxy-metrics", "coredns-ready", "coredns-health"]
+            names += [f"kubelet-healthz-{i}" for i in range(real_nodes)]
+        self.ports = {name: free_port() for name in names}
+        self.session = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.network = realnodes.Network(self.session, real_nodes) if real_nodes else None
+        self.session_cgroup = realnodes.SessionCgroup(f"kuberl-{self.session}") if real_nodes else None
+        self.real_nodes = [
+            realnodes.RealNode(f"real-node-{i}", i, ip, self.workdir / "nodes" / f"real-node-{i}")
+            for i, ip in enumerate(self.network.node_ips if self.network else [])
+        ]
+        self._imported: dict[str, set[str]] = {node.name: set() for node in self.real_nodes}
+        self._saved_kernel_tunables: dict[str, str] | None = None
         self.server = f"https://127.0.0.1:{self.ports['apiserver']}"
         self.processes: list[Process] = []
         self.startup_seconds: dict[str, float] = {}
@@ -166,6 +182,8 @@ class Cluster:
         _install_signal_handlers(self)
         began = time.monotonic()
         try:
+            if self.real_nodes:
+                self._step("network-namespace", self._make_network)
             self._step("certificates", self._make_pki)
             self._step("etcd", self._start_etcd)
             self._step("kube-apiserver", self._start_apiserver)
@@ -181,6 +199,8 @@ class Cluster:
             if self.with_kuberay:
                 self._step("kuberay-operator", self._start_kuberay)
             self._step("ready", self._wait_ready)
+            if self.real_nodes:
+                self._step("real-nodes", self._start_real_nodes)
         except BaseException:
             self.stop()
             raise
@@ -202,6 +222,8 @@ class Cluster:
             process.reap(deadline)
         if self._api_client is not None:
             self._api_client.close()
+        if self.real_nodes:
+            self._stop_real_nodes()
         shutil.rmtree(self.workdir / "etcd-data", ignore_errors=True)
         atexit.unregister(self.stop)
 
@@ -210,8 +232,11 @@ class Cluster:
         fn()
         self.startup_seconds[name] = time.monotonic() - began
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Process:
-        process = Process(name, argv, self.log_dir / f"{name}.log", env=env)
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, host: bool = False,
+               cgroup_procs: list[Path] = ()) -> Process:
+        """Start a component; with real nodes, inside the network namespace unless `host`."""
+        netns = self.network.path if self.network and not host else None
+        process = Process(name, argv, self.log_dir / f"{name}.log", env=env, netns=netns, cgroup_procs=cgroup_procs)
         process.start()
         self.processes.append(process)
         return process
@@ -223,8 +248,9 @@ class Cluster:
         self.serving = self.ca.issue(
             "apiserver",
             "kube-apiserver",
-            dns_names=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"),
-            ip_addresses=("127.0.0.1", "10.0.0.1"),
+            dns_names=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+                       "kubernetes.default.svc.cluster.local"),
+            ip_addresses=("127.0.0.1", "10.0.0.1", realnodes.API_ADDRESS),
             server=True,
         )
         self.service_account_keys = pki.service_account_key_pair(self.pki_dir)
@@ -236,6 +262,14 @@ class Cluster:
             "kwok": ("kwok-controller", ("system:masters",)),
             "kuberay-operator": ("kuberay-operator", ("system:masters",)),
         }
+        if self.real_nodes:
+            identities.update({
+                # The API server's client identity towards kubelets (logs, exec).
+                "apiserver-kubelet-client": ("kube-apiserver-kubelet-client", ("system:masters",)),
+                "kube-proxy": ("system:kube-proxy", ()),
+                "coredns": ("kuberl-coredns", ("system:masters",)),
+                **{node.name: (f"system:node:{node.name}", ("system:nodes",)) for node in self.real_nodes},
+            })
         self.kubeconfigs: dict[str, Path] = {}
         for name, (common_name, orgs) in identities.items():
             pair = self.ca.issue(name, common_name, organizations=orgs)
@@ -275,13 +309,31 @@ class Cluster:
 
     def _start_apiserver(self) -> None:
         sa = self.service_account_keys
+        if self.real_nodes:
+            # Pods reach the API server through the `kubernetes` Service, whose endpoint is the
+            # advertised address in the namespace; it talks to kubelets as its own client.
+            client = self.pki_dir / "apiserver-kubelet-client"
+            network_flags = [
+                "--bind-address=0.0.0.0",
+                f"--advertise-address={realnodes.API_ADDRESS}",
+                f"--kubelet-client-certificate={client}.crt",
+                f"--kubelet-client-key={client}.key",
+                "--kubelet-preferred-address-types=InternalIP",
+            ]
+        else:
+            network_flags = [
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                # 127.0.0.1 is not a valid Endpoints address; nothing here needs the
+                # `kubernetes` Service's endpoints, so do not reconcile them.
+                "--endpoint-reconciler-type=none",
+            ]
         apiserver = self._spawn(
             "kube-apiserver",
             [
                 str(binary_path("kube-apiserver")),
                 f"--etcd-servers={self.etcd_url}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                *network_flags,
                 f"--secure-port={self.ports['apiserver']}",
                 f"--cert-dir={self.pki_dir / 'apiserver-generated'}",
                 f"--tls-cert-file={self.serving.cert}",
@@ -293,9 +345,6 @@ class Cluster:
                 f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
                 "--authorization-mode=Node,RBAC",
                 "--allow-privileged=true",
-                # 127.0.0.1 is not a valid Endpoints address; nothing here needs the
-                # `kubernetes` Service's endpoints, so do not reconcile them.
-                "--endpoint-reconciler-type=none",
                 "--profiling=false",
             ],
         )
@@ -410,15 +459,136 @@ class Cluster:
         return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
     def _nodes_ready(self) -> bool:
+        return set(self.node_names) <= self._ready_nodes()
+
+    # -- real nodes (tests/cluster/nodes.py) ------------------------------------------
+
+    def _make_network(self) -> None:
+        if os.geteuid() != 0:
+            raise ClusterError("real nodes need root (network namespace, cgroups, containerd)")
+        missing = realnodes.host_tools_missing()
+        if missing:
+            raise ClusterError(f"real nodes need {', '.join(missing)}: `bash .ci/setup --tests` installs them")
+        realnodes.clear_stale_sessions()
+        self.network.create()
+        # The host's tests reach every component's loopback port as without real nodes.
+        ports = sorted(set(self.ports.values()))
+        self._spawn("forward", [sys.executable, str(Path(__file__).with_name("forward.py")), self.network.path, *map(str, ports)], host=True)
+
+    def _start_real_nodes(self) -> None:
+        images.build(())
+        self._saved_kernel_tunables = realnodes.read_kernel_tunables()
+        for node in self.real_nodes:
+            node.directory.mkdir(parents=True, exist_ok=True)
+            self.session_cgroup.create(f"{node.cgroup}/runtime")
+            config = node.write_containerd_config(images.PAUSE_IMAGE)
+            containerd = self._spawn(
+                f"containerd-{node.name}", ["containerd", f"--config={config}"],
+                cgroup_procs=self.session_cgroup.procs_files(f"{node.cgroup}/runtime"),
+            )
+            _wait(f"containerd of {node.name}", lambda node=node: _ctr_ok(node), 60, [containerd], interval=0.2)
+            self._import(node, images.PAUSE_IMAGE, images.PAUSE_IMAGE)
+        for i, node in enumerate(self.real_nodes):
+            config = node.write_kubelet_config(self.session_cgroup.name, self.ca.pair.cert, self.ports[f"kubelet-healthz-{i}"])
+            self._spawn(
+                f"kubelet-{node.name}",
+                [
+                    str(binary_path("kubelet")),
+                    f"--config={config}",
+                    f"--kubeconfig={self.kubeconfigs[node.name]}",
+                    f"--hostname-override={node.name}",
+                    f"--node-ip={node.ip}",
+                    f"--root-dir={node.directory / 'kubelet'}",
+                    f"--node-labels={realnodes.REAL_NODE_LABEL}=true",
+                    "--v=1",
+                ],
+            )
+        proxy_config = self.workdir / "kube-proxy.json"
+        proxy_config.write_text(json.dumps(realnodes.kube_proxy_config(
+            self.kubeconfigs["kube-proxy"], self.real_nodes[0].name,
+            self.ports["kube-proxy-healthz"], self.ports["kube-proxy-metrics"])))
+        self._spawn("kube-proxy", [str(binary_path("kube-proxy")), f"--config={proxy_config}", "--v=1"])
+        corefile = self.workdir / "Corefile"
+        corefile.write_text(realnodes.corefile(self.kubeconfigs["coredns"], self.ports["coredns-ready"], self.ports["coredns-health"]))
+        self._spawn("coredns", [str(binary_path("coredns")), "-conf", str(corefile)])
+        for obj in realnodes.kube_dns_objects():
+            group = "/api/v1" if obj["apiVersion"] == "v1" else f"/apis/{obj['apiVersion']}"
+            self._api_create(f"{group}/namespaces/kube-system/{obj['kind'].lower()}s", obj)
+        watch = list(self.processes)
+        names = [node.name for node in self.real_nodes]
+        _wait(f"real nodes {names} Ready", lambda: self._ready_nodes() >= set(names), 120, watch, interval=0.5)
+        # kubelet has set the machine-wide kernel settings it wants by now; put back the host's.
+        realnodes.restore_kernel_tunables(self._saved_kernel_tunables)
+        ready = f"http://127.0.0.1:{self.ports['coredns-ready']}/ready"
+        _wait("CoreDNS /ready", lambda: _http_ok(ready), 60, watch)
+        proxy = f"http://127.0.0.1:{self.ports['kube-proxy-healthz']}/healthz"
+        _wait("kube-proxy /healthz", lambda: _http_ok(proxy), 60, watch)
+
+    def _import(self, node: "realnodes.RealNode", image: str, name: str) -> None:
+        if name in self._imported[node.name]:
+            return
+        images.import_into(node.ctr(), image, name, self.log_dir / f"import-{node.name}.log")
+        self._imported[node.name].add(name)
+
+    def load_images(self, names: tuple[str, ...] = images.NAMES, node_names: list[str] | None = None) -> dict[str, float]:
+        """Build images/<name> (cached) and import each into the real nodes' containerd as
+        ghcr.io/kuberl/<name>:<version>; returns seconds per step (build and import)."""
+        times = {f"build {k}": v for k, v in images.build(names).items()}
+        for node in self.real_nodes:
+            if node_names is not None and node.name not in node_names:
+                continue
+            for name in names:
+                began = time.monotonic()
+                self._import(node, images.local_tag(name), images.public_name(name))
+                times[f"import {name} into {node.name}"] = time.monotonic() - began
+        return times
+
+    def load_base(self, node_names: list[str] | None = None) -> str:
+        """Import the local Debian base (python3, no kuberl) into the real nodes; returns its name."""
+        images.build((), base=True)
+        for node in self.real_nodes:
+            if node_names is None or node.name in node_names:
+                self._import(node, images.base_tag(), images.base_tag())
+        return images.base_tag()
+
+    def serve_in_network(self, name: str, argv: list[str], port: int, namespace: str, env: dict[str, str] | None = None) -> str:
+        """Run `argv`, a server listening on 0.0.0.0:`port`, as a component inside the cluster's
+        network namespace, behind a Service `name` in `namespace` (created if missing); returns
+        the URL pods use. The host reaches it at 127.0.0.1:`port` (`port` must be free here).
+        For servers the tests need in the cluster without an image of their own (an S3 server)."""
+        address = self.network.add_service_address()
+        self._spawn(name, argv, env=env)
+        self._spawn(f"forward-{name}", [sys.executable, str(Path(__file__).with_name("forward.py")), self.network.path, str(port)], host=True)
+        self.kubectl("create", "namespace", namespace, check=False)
+        for obj in realnodes.external_service_objects(name, namespace, address, port):
+            group = "/api/v1" if obj["apiVersion"] == "v1" else f"/apis/{obj['apiVersion']}"
+            self._api_create(f"{group}/namespaces/{namespace}/{obj['kind'].lower()}s", obj)
+        _wait(f"{name} on 127.0.0.1:{port}", lambda: _tcp_ok(port), 60, self.processes)
+        return f"http://{name}.{namespace}.svc.{realnodes.CLUSTER_DOMAIN}:{port}"
+
+    def _stop_real_nodes(self) -> None:
+        # Containers and containerd's shims outlive containerd: kill all that runs in the
+        # session's cgroups, then drop the mounts, the node directories and the namespace.
+        pod_namespaces = realnodes.pod_network_namespaces(self.session_cgroup.pids())
+        self.session_cgroup.destroy()
+        realnodes.remove_named_namespaces(pod_namespaces)
+        realnodes.unmount_below(self.workdir)
+        for node in self.real_nodes:
+            for heavy in ("containerd-root", "containerd-state", "kubelet"):
+                shutil.rmtree(node.directory / heavy, ignore_errors=True)
+        if self._saved_kernel_tunables:
+            realnodes.restore_kernel_tunables(self._saved_kernel_tunables)
+        self.network.delete()
+
+    def _ready_nodes(self) -> set[str]:
         body = self._api_get("/api/v1/nodes")
         if body is None:
-            return False
-        ready = {
+            return set()
+        return {
             n["metadata"]["name"]
             for n in body["items"]
             if any(c["type"] == "Ready" and c["status"] == "True" for c in (n.get("status") or {}).get("conditions") or [])
         }
-        return set(self.node_names) <= ready
 
     # -- readiness helpers --------------------------------------------------------
 
@@ -507,6 +677,23 @@ class Cluster:
         import kubernetes
 
         return kubernetes.config.new_client_from_config(config_file=str(self.service_account_kubeconfig(namespace, name)))
+
+
+def _tcp_ok(port: int) -> bool:
+    """Something answers on 127.0.0.1:port (through a forwarder: a connection it keeps open)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+            sock.settimeout(0.5)
+            try:
+                return sock.recv(1, socket.MSG_PEEK) != b""  # b"": closed, nothing behind the forwarder
+            except TimeoutError:
+                return True  # open and silent: a server waiting for the request
+    except OSError:
+        return False
+
+
+def _ctr_ok(node: "realnodes.RealNode") -> bool:
+    return node.socket.exists() and subprocess.run([*node.ctr(), "version"], capture_output=True).returncode == 0
 
 
 def _http_ok(url: str, insecure: bool = False) -> bool:

@@ -258,9 +258,21 @@ def build_image(name: str, out=sys.stdout) -> float:
         str(REPO_ROOT),
     )
     _run(argv, log, f"podman build of images/{name}")
+    _drop_older(name, tag)
     seconds = time.monotonic() - began
     print(f"{'image ' + tag:60s} built in {seconds:7.1f} s", file=out, flush=True)
     return seconds
+
+
+def _drop_older(name: str, keep: str) -> None:
+    """Remove the image's earlier builds and the layers only they used: the cache holds one of each
+    (the worker-cpu image is several GB)."""
+    listing = subprocess.run(podman_argv("images", "--format", "{{.Repository}}:{{.Tag}}", f"localhost/kuberl/{name}"),
+                             capture_output=True, text=True).stdout.split()
+    older = [t for t in listing if t != keep]
+    if older:
+        subprocess.run(podman_argv("rmi", *older), capture_output=True)
+    subprocess.run(podman_argv("image", "prune", "-f"), capture_output=True)
 
 
 def build(names: tuple[str, ...] = NAMES, base: bool | None = None, out=sys.stdout) -> dict[str, float]:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+_CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -23,14 +24,42 @@ def _die_with_parent() -> None:
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _child_setup(netns: str | None, cgroup_procs: list[Path]):
+    """What runs in the child before exec: die with the parent; join a network namespace (only
+    the network: kubelet and containerd must share the host's mounts) and cgroups, so that what
+    the component starts (containerd's shims and containers) is found there at teardown."""
+
+    def setup() -> None:
+        _die_with_parent()
+        for procs in cgroup_procs:
+            procs.write_text(str(os.getpid()))
+        if netns is not None:
+            fd = os.open(netns, os.O_RDONLY)
+            if _libc.setns(fd, _CLONE_NEWNET) != 0:
+                os._exit(126)
+            os.close(fd)
+
+    return setup
+
+
 class Process:
     """One long-running component, its command line and its log file."""
 
-    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log: Path,
+        env: dict[str, str] | None = None,
+        netns: str | None = None,
+        cgroup_procs: list[Path] = (),
+    ) -> None:
         self.name = name
         self.argv = argv
         self.log = log
         self.env = env
+        self.netns = netns
+        self.cgroup_procs = list(cgroup_procs)
         self._popen: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -44,7 +73,7 @@ class Process:
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_child_setup(self.netns, self.cgroup_procs),
             )
 
     @property
