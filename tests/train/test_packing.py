@@ -105,14 +105,18 @@ def test_packed_training_resumes_bit_exactly(tmp_path):
     port = _free_port()
     first = TrainerWorker(None, trainer_config, rank=0, world_size=1, master_addr="127.0.0.1", master_port=port,
                           device=torch.device("cpu"), random_init_config=config)
+    import torch.distributed.checkpoint as dcp
+
     first.train_step(_batch())
-    first.save_state(str(tmp_path / "ckpt"))
+    state, extra = first.checkpoint_state()  # what RankCheckpointer writes
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ckpt")))
     expected = first.train_step(_batch())
     weights = {k: v.full_tensor().clone() for k, v in first.model.state_dict().items()}
     second = TrainerWorker(None, trainer_config, rank=0, world_size=1, master_addr="127.0.0.1", master_port=port,
                            device=torch.device("cpu"), random_init_config=config)
     second.model.apply(lambda m: [p.data.zero_() for p in m.parameters(recurse=False)])
-    second.load_state(str(tmp_path / "ckpt"))
+    second.restore_state(lambda fresh: dcp.load(fresh, storage_reader=dcp.FileSystemReader(str(tmp_path / "ckpt"))),
+                         extra)
     assert second.train_step(_batch()) == expected
     for name, value in second.model.state_dict().items():
         assert torch.equal(value.full_tensor(), weights[name]), name

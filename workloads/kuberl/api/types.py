@@ -237,6 +237,14 @@ class TrainerSpec(APIModel):
     processes_per_replica: int = Field(1, ge=1, le=64, description="Trainer processes per pod when "
                                        "gpusPerReplica is 0 (one per GPU otherwise).")
     gradient_checkpointing: bool = Field(True, description="Recompute activations in backward (non-reentrant).")
+    checkpoint_every: int = Field(1, ge=1, le=1024, description="With gradientCheckpointing, recompute every "
+                                  "this many decoder layers (1: all). Measured on one H100, dense 2B at "
+                                  "sequence 4096: 39.3% MFU at 1, 45.6% at 4 (docs/benchmarks.md); "
+                                  "larger values use more activation memory.")
+    micro_batch_tokens: int = Field(0, ge=0, le=1 << 24, description="0: micro-batches of "
+                                    "algorithm.microBatchSize right-padded samples. N: samples packed end to "
+                                    "end into micro-batches of up to N tokens with document-masked attention, "
+                                    "no padding (1.17x tokens/s on RL response lengths, docs/benchmarks.md).")
     param_dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="Compute dtype on GPU; CPU always uses float32.")
     moe: MoESpec = Field(default_factory=MoESpec, description="Mixture-of-Experts options.")
     resources: Resources = Field(default_factory=Resources, description="Per-pod CPU and memory.")

@@ -63,11 +63,13 @@ class TrainerConfig:
             lr=algo.learning_rate, weight_decay=algo.weight_decay, warmup_steps=algo.warmup_steps,
             max_grad_norm=algo.max_grad_norm, kl_coef=algo.kl_coef, entropy_coef=algo.entropy_coef,
             clip_low=algo.clip_ratio_low, clip_high=algo.clip_ratio_high,
-            micro_batch_size=algo.micro_batch_size, temperature=algo.temperature, seed=algo.seed,
+            micro_batch_size=algo.micro_batch_size, micro_batch_tokens=trainer.micro_batch_tokens,
+            temperature=algo.temperature, seed=algo.seed,
             log_prob_micro_batch_size=algo.log_prob_micro_batch_size, kl_clamp=algo.kl_clamp,
             router_aux_loss_coef=trainer.moe.router_aux_loss_coef,
             model=ModelOptions(trust_remote_code=spec.model.trust_remote_code,
                                gradient_checkpointing=trainer.gradient_checkpointing,
+                               checkpoint_every=trainer.checkpoint_every,
                                param_dtype=dtype, moe_experts=trainer.moe.expert_implementation),
         )
 
