@@ -189,7 +189,7 @@ def test_colocated_job_has_no_rollout_group():
 def test_checkpoints_are_never_staged_ranks_restore_from_the_uri():
     manifest = yaml.safe_load((REPO / "examples" / "grpo-qwen3-moe.yaml").read_text())
     for pod in _pods(_by_kind(render_manifest(manifest))["RayJob"]).values():
-        assert {c["name"] for c in pod["initContainers"]} <= {"stage-model", "stage-data"}
+        assert {c["name"] for c in pod["initContainers"]} <= {"stage-model", "stage-data", "check-data"}
         assert not any("checkpoint" in m["mountPath"] for c in pod["containers"] for m in c["volumeMounts"])
 
 

@@ -24,16 +24,15 @@ def test_checkpoint_bench_smoke(tmp_path, capsys):
     assert bench.main(["--size-gb", "0.002", "--dim", "256", "--repeat", "1", "--gzip-level", "1",
                        "--dir", str(work), "--json", str(out)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-1].startswith("headline: our save = ")
+    assert lines[-1].startswith("headline: stall training sees = ")
     result = json.loads(out.read_text())
-    for key in ("machine", "disk", "size_gb", "state_bytes", "checkpoint_bytes", "tar_bytes",
-                "gzip_bytes", "rows", "save_vs_plain_write", "save_commit_vs_plain_write",
-                "save_crc_off_vs_plain_write", "load_vs_plain_read", "restore_vs_plain_read", "goal"):
+    for key in ("machine", "disk", "size_gb", "state_bytes", "rows", "stall_over_plain_write",
+                "written_over_plain_write", "durable_over_plain_write", "load_vs_plain_read",
+                "goal_stall_over_plain_write"):
         assert key in result, key
     names = [r["name"] for r in result["rows"]]
-    assert names == ["plain write", "our save", "dcp no crc", "commit", "save+commit dcp",
-                     "save+commit tar", "tar package", "gzip package", "plain read", "our load",
-                     "restore dcp", "restore tar"]
+    assert names == ["plain write", "stall", "written", "durable dcp", "durable tar", "tar package",
+                     "gzip package", "plain read", "load dcp", "load tar"]
     for row in result["rows"]:
         assert {"label", "seconds", "median_seconds", "gbps", "reference", "ratio"} <= row.keys()
         assert row["seconds"] > 0 and row["gbps"] > 0
