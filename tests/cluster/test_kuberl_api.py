@@ -128,7 +128,7 @@ def test_rendered_rayjob_runs_and_deleting_the_job_collects_everything(k8s_clust
     }
     objects = render_manifest(job)
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == sorted(["RayJob", "ConfigMap", "ServiceAccount", "Role", "RoleBinding"]), kinds
+    assert kinds == sorted(["RayJob", "ConfigMap", "NetworkPolicy", "ServiceAccount", "Role", "RoleBinding"]), kinds
     for obj in objects:
         obj["metadata"].setdefault("namespace", namespace)
         owners = obj["metadata"].get("ownerReferences", [])
