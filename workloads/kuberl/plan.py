@@ -163,9 +163,10 @@ def resume(spec: t.RLTrainingJobSpec, attempt: int) -> Resume:
     return Resume(newest_under=newest_under, explicit=explicit)
 
 
-def in_pod_path(uri: str, staged_dir: str) -> str:
-    """The path a container reads ``uri`` from: the staged copy, a mounted claim, or the path."""
-    return uris.in_pod_path(uris.parse(uri), staged_dir)
+def in_pod_path(uri: str, staged_dir: str, field: str) -> str:
+    """The path a container reads ``uri`` (the spec's ``field``) from: the staged copy, a mounted
+    claim, or the path."""
+    return uris.in_pod_path(uris.parse(uri, field), staged_dir)
 
 
 def for_cluster(job: t.RLTrainingJob, attempt: int = 0) -> RunPlan:
@@ -173,8 +174,9 @@ def for_cluster(job: t.RLTrainingJob, attempt: int = 0) -> RunPlan:
     return RunPlan(
         job=job.metadata.name, namespace=job.metadata.namespace, attempt=attempt,
         topology=topology(spec),
-        paths=Paths(model=in_pod_path(spec.model.uri, MODEL_DIR), data=in_pod_path(spec.data.uri, DATA_DIR),
-                    validation_data=(in_pod_path(spec.validation.uri, VALIDATION_DATA_DIR)
+        paths=Paths(model=in_pod_path(spec.model.uri, MODEL_DIR, "spec.model.uri"),
+                    data=in_pod_path(spec.data.uri, DATA_DIR, "spec.data.uri"),
+                    validation_data=(in_pod_path(spec.validation.uri, VALIDATION_DATA_DIR, "spec.validation.uri")
                                      if spec.validation is not None else None),
                     scratch=SCRATCH_DIR),
         checkpoints=checkpoints(spec), resume=resume(spec, attempt))
