@@ -47,13 +47,30 @@ def instructions(path: Path) -> list[Instruction]:
     return result
 
 
+def global_args(path: Path) -> dict[str, str]:
+    """The ARGs before the first FROM, with their defaults (what `${NAME}` in a FROM means)."""
+    result = {}
+    for instruction in instructions(path):
+        if instruction.keyword == "FROM":
+            break
+        if instruction.keyword == "ARG":
+            name, _, default = instruction.args.partition("=")
+            result[name.strip()] = default.strip()
+    return result
+
+
 def stages(path: Path) -> list[Stage]:
+    """Build stages; a FROM's `${ARG}` is replaced by that global ARG's default."""
+    defaults = global_args(path)
     result: list[Stage] = []
     for instruction in instructions(path):
         if instruction.keyword == "FROM":
             words = [w for w in instruction.args.split() if not w.startswith("--")]
             alias = words[2] if len(words) == 3 and words[1].upper() == "AS" else None
-            result.append(Stage(words[0], alias))
+            image = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: defaults[m.group(1) or m.group(2)], words[0])
+            result.append(Stage(image, alias))
+        elif not result and instruction.keyword == "ARG":
+            continue  # a global ARG (global_args)
         else:
             assert result, f"{path}:{instruction.line}: {instruction.keyword} before FROM"
             result[-1].instructions.append(instruction)

