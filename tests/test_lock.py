@@ -1,6 +1,5 @@
 """uv.lock is the one record of every Python dependency: it must match pyproject.toml."""
 
-import re
 import subprocess
 import sys
 import tomllib
@@ -30,10 +29,13 @@ def _locked_versions() -> dict[str, set[str]]:
 
 
 def _minimum(requirement: str) -> tuple[str, str] | None:
-    match = re.match(r"^([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?\s*(?:==|>=)\s*([0-9][^,;\s]*)", requirement)
-    if not match:
-        return None
-    return re.sub(r"[-_.]+", "-", match.group(1)).lower(), match.group(2)
+    """(normalised name, lower bound) of a ``>=``/``==`` requirement, else None."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    parsed = Requirement(requirement)
+    floors = [spec.version for spec in parsed.specifier if spec.operator in (">=", "==")]
+    return (canonicalize_name(parsed.name), floors[0]) if floors else None
 
 
 def _series(version) -> tuple[int, int]:
