@@ -165,9 +165,13 @@ class RewardWorkers:
             return []
         per = -(-len(batch) // self.spec.workers)
         refs = [self._task.remote(self.spec, batch[lo:lo + per], lo) for lo in range(0, len(batch), per)]
-        try:
-            shares = ray.get(refs)
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.as_instanceof_cause()
-            raise (cause if isinstance(cause, RewardError) else RewardError(f"reward function failed: {cause}")) from None
-        return [r for share in shares for r in share]
+        rewards: list[float] = []
+        for ref in refs:  # in order, so an error names the first bad share
+            try:
+                rewards += ray.get(ref)
+            except ray.exceptions.RayTaskError as exc:
+                # exc.cause is the worker's own exception; its str() has no Ray traceback around it.
+                if isinstance(exc.cause, RewardError):
+                    raise RewardError(str(exc.cause)) from None
+                raise RewardError(f"spec.reward.function failed: {exc.cause!r}") from None
+        return rewards
