@@ -24,7 +24,7 @@ from kuberl import plan as plans
 from kuberl.api import types as t
 from kuberl.render import CONFIG_FILE, ray_job_name, render
 from kuberl_operator import observed as o
-from kuberl_operator.status import FINISHED_PHASES, compute_status
+from kuberl_operator.status import FINISHED_PHASES, compute_status, finished_status
 
 # camelCase spec fields that may change while a job exists.
 MUTABLE_FIELDS = ("suspend", "backoffLimit", "ttlSecondsAfterFinished")
@@ -153,9 +153,8 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
     old_status = job.status.model_dump(mode="json", by_alias=True, exclude_none=True) if job.status else {}
     old_phase = old_status.get("phase")
 
-    run_plan = plan_in_effect(job, observed, attempt)
     if old_phase in FINISHED_PHASES:
-        plan = Plan(status=compute_status(job, run_plan, ray_job, None, [], now, attempt=attempt))
+        plan = Plan(status=finished_status(job))
         ttl = job.spec.ttl_seconds_after_finished
         finished = job.status.completion_time if job.status else None
         if ttl is not None and finished is not None:
@@ -206,7 +205,8 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
 
     cluster = observed.ray_cluster if ray_job is not None else None
     pods = observed.pods if ray_job is not None else []
-    status = compute_status(job, run_plan, ray_job, cluster, pods, now, attempt=status_attempt, refused=refused,
+    status = compute_status(job, plan_in_effect(job, observed, attempt), ray_job, cluster, pods, now,
+                            attempt=status_attempt, refused=refused,
                             restart_in=restart_in)
     plan = Plan(status=status, apply=plan_apply, suspend=suspend, delete_ray_jobs=delete, events=events,
                 requeue_after=requeue)

@@ -94,6 +94,13 @@ def _merge_conditions(old: list[dict[str, Any]], new: list[dict[str, str]], now:
     return out
 
 
+def finished_status(job: t.RLTrainingJob) -> dict[str, Any]:
+    """A finished job's status stays as it is: its objects may be gone (TTL, KubeRay's shutdown),
+    and its spec may not even render (a job failed for an invalid field)."""
+    old = job.status.model_dump(mode="json", by_alias=True, exclude_none=True) if job.status else {}
+    return {k: v for k, v in old.items() if k in OPERATOR_FIELDS}
+
+
 def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] | None,
                    ray_cluster: dict[str, Any] | None, pods: list[dict[str, Any]], now: datetime, *, attempt: int = 0,
                    refused: list[str] = (), restart_in: float | None = None) -> dict[str, Any]:
@@ -115,8 +122,7 @@ def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] 
     message = ""
 
     if old.get("phase") in FINISHED_PHASES:
-        # A finished job stays finished; its objects may be gone (TTL, KubeRay's shutdown).
-        return {k: v for k, v in old.items() if k in OPERATOR_FIELDS}
+        return finished_status(job)
 
     # --- what the attempt is doing --------------------------------------------------------
     init_failure = _init_failure(pods)

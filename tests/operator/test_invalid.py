@@ -56,3 +56,14 @@ def test_checked_plan_fails_invalid_jobs_without_observing_and_plans_valid_ones(
     assert bad.status["phase"] == "Failed" and [e.reason for e in bad.events] == [REASON]
     good = checked_plan(job(), observed, NOW, Settings())
     assert good.status["phase"] == "Pending" and good.apply
+
+
+def test_a_job_failed_for_its_spec_is_left_alone_on_every_later_reconcile():
+    """The resync after the failure reconciles the same stored spec: nothing renders it again,
+    so there is no second event and no status change."""
+    bad = stored(uri="s3://models/../x")
+    first = checked_plan(bad, observed, NOW, Settings())
+    failed = bad.model_copy(update={"status": t.RLTrainingJobStatus.model_validate(first.status)})
+    again = checked_plan(failed, observed, NOW, Settings())
+    assert again.events == [] and not again.apply and not again.delete_ray_jobs
+    assert again.status["phase"] == "Failed" and again.status["message"] == first.status["message"]
