@@ -232,6 +232,21 @@ def test_config_map_holds_the_run_plan_the_ray_job_was_rendered_from(example):
         assert engine_gpus == plan.topology.rollout_pods * int(groups["rollout"]["rayStartParams"]["num-gpus"])
 
 
+def test_in_a_ray_job_ranks_and_engines_reserve_their_slot_not_a_cpu():
+    """A pod that requests fewer CPUs than it runs processes still starts them all: Kubernetes
+    accounts the pod's CPUs, Ray's CPUs there are left to reward workers."""
+    manifest = minimal_manifest()
+    manifest["spec"]["trainer"] = {"gpusPerReplica": 0, "processesPerReplica": 2, "resources": {"cpu": "1", "memory": "2Gi"}}
+    plan = plans.for_cluster(validate_manifest(manifest))
+    topo = plan.topology
+    advertised = {**topo.group_resources["trainer"], "CPU": 1.0}
+    assert topo.slot_reservation(topo.trainer_resource, advertised) == {"num_cpus": 0, "resources": {topo.trainer_resource: 1}}
+    assert topo.slot_reservation(topo.trainer_resource, {"CPU": 4.0}) == {"num_cpus": 1}
+    ray_job = _by_kind(render(validate_manifest(manifest)))["RayJob"]
+    trainer, = [g for g in ray_job["spec"]["rayClusterSpec"]["workerGroupSpecs"] if g["groupName"] == "trainer"]
+    assert json.loads(trainer["rayStartParams"]["resources"]) == {topo.trainer_resource: 2}
+
+
 def _source_files() -> str:
     files = [*(REPO / "workloads" / "kuberl").rglob("*.py"), *(REPO / "operator").rglob("*.py")]
     return "\n".join(p.read_text() for p in files if p.name != "render.py")
