@@ -121,3 +121,24 @@ def test_expected_pods_come_from_the_run_plan():
                     weightSync={"method": "nccl"})
     status = status_of(colocated, ray_job("tiny", deployment="Initializing"), ray_cluster(""), [], NOW)
     assert "0/3 pods running" in status["message"]  # head + 2 trainer pods, no rollout pods
+
+
+def test_a_container_kubelet_cannot_start_names_the_secret_or_image():
+    no_secret = pod("tiny-abc-head-x", phase="Pending", init=[{
+        "name": "stage-model",
+        "state": {"waiting": {"reason": "CreateContainerConfigError", "message": 'secret "s3" not found'}}}])
+    status = status_of(job(), ray_job("tiny", deployment="Initializing"), ray_cluster(""), [no_secret], NOW)
+    cond = conditions(status)
+    assert status["phase"] == "Starting"
+    assert status["message"] == ('container stage-model in pod tiny-abc-head-x cannot start: '
+                                 'CreateContainerConfigError: secret "s3" not found')
+    assert cond["ClusterReady"]["reason"] == "ContainerConfigError" and cond["ClusterReady"]["message"] == status["message"]
+    assert cond["Staged"]["status"] == "False"
+
+    no_image = pod("tiny-abc-trainer-x", phase="Pending", containers=[{
+        "name": "ray-trainer", "state": {"waiting": {
+            "reason": "ErrImageNeverPull",
+            "message": 'Container image "ghcr.io/kuberl/worker-cpu:nope" is not present with pull policy of Never'}}}])
+    status = status_of(job(), ray_job("tiny", deployment="Initializing"), ray_cluster(""), [no_image], NOW)
+    assert conditions(status)["ClusterReady"]["reason"] == "ImageUnavailable"
+    assert 'ghcr.io/kuberl/worker-cpu:nope" is not present' in status["message"]
