@@ -24,7 +24,7 @@ from kuberl import plan as plans
 from kuberl.api import types as t
 from kuberl.render import CONFIG_FILE, ray_job_name, render
 from kuberl_operator import observed as o
-from kuberl_operator.status import FINISHED_PHASES, compute_status, finished_status
+from kuberl_operator.status import FINISHED_PHASES, compute_status, current_workload_error, finished_status
 
 # camelCase spec fields that may change while a job exists.
 MUTABLE_FIELDS = ("suspend", "backoffLimit", "ttlSecondsAfterFinished")
@@ -177,7 +177,8 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
     if ray_job is None:
         plan_apply = desired_objects(job, observed, attempt)
         events.append(Event("Normal", "Creating", f"creating RayJob {name} (attempt {attempt})"))
-    elif o.failed(ray_job) and not o.validation_failed(ray_job) and not job.spec.suspend:
+    elif o.failed(ray_job) and not o.validation_failed(ray_job) and not job.spec.suspend \
+            and current_workload_error(job, attempt) is None:
         if attempt < job.spec.backoff_limit:
             wait = backoff_seconds(settings, attempt)
             failed_at = _failed_at(ray_job, job) or now

@@ -6,6 +6,7 @@ A failed report never stops training: it is logged and the next one tries again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ import urllib.error
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from kuberl.api.types import GROUP, PLURAL, VERSION
 
@@ -45,6 +46,13 @@ class StatusReporter:
     def checkpoint(self, uri: str, step: int) -> None:
         log.info("checkpoint step %d complete: %s", step, uri)
         self._patch({"lastCheckpoint": {"uri": uri, "step": step, "time": _now()}})
+
+    def failed(self, attempt: int, reason: str, message: str) -> None:
+        """The job's own input is at fault (status.workloadError): the operator fails the job
+        instead of restarting it."""
+        log.error("%s: %s", reason, message)
+        self._patch({"workloadError": {"attempt": attempt, "reason": reason, "message": message[:4096],
+                                       "time": _now()}})
 
     def _patch(self, status: dict[str, Any]) -> None:
         """Nothing to send outside Kubernetes."""
@@ -85,3 +93,21 @@ def reporter_from_env(env: dict[str, str] | None = None, service_account: Path =
     host = f"[{host}]" if ":" in host else host
     namespace = env.get("KUBERL_NAMESPACE") or (service_account / "namespace").read_text().strip()
     return KubernetesStatusReporter(f"https://{host}:{port}", namespace, name, token, service_account / "ca.crt")
+
+
+@contextlib.contextmanager
+def user_errors_reported(reporter: StatusReporter, attempt: int) -> Iterator[None]:
+    """Errors in the job's own input found only while training (a reward function that raises or
+    returns no number, data that does not parse) go to status.workloadError before they end the
+    run: the operator then fails the job naming them, where a restart would only repeat them."""
+    from kuberl.train.data import DataError
+    from kuberl.train.rewards import RewardError
+
+    try:
+        yield
+    except RewardError as exc:
+        reporter.failed(attempt, "RewardFunctionFailed", str(exc))
+        raise
+    except DataError as exc:
+        reporter.failed(attempt, "DataInvalid", str(exc))
+        raise
