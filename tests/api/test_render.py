@@ -140,6 +140,8 @@ def test_model_credentials_reach_only_init_containers():
     for role, pod in pods.items():
         stage = {c["name"]: c for c in pod["initContainers"]}
         assert stage["stage-model"]["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+        # A failed staging's error reaches status (the operator quotes the termination message).
+        assert {c["terminationMessagePolicy"] for c in stage.values()} == {"FallbackToLogsOnError"}
         for container in pod["containers"]:
             secrets = [e["secretRef"]["name"] for e in container.get("envFrom", [])]
             # Checkpoint credentials on the trainers alone: each rank uploads its own shards.

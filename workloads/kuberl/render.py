@@ -154,6 +154,11 @@ def _tracking_env_from(tracking: t.TrackingSpec) -> list[dict[str, Any]]:
     return [entry for secret in secrets for entry in _env_from(secret)]
 
 
+# A failed init container's last log lines become its termination message, which the operator
+# quotes in status: the error the stager or the data check printed, not just "Error".
+TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
+
+
 def _check_data_container(job: t.RLTrainingJob, name: str, path: str, res: t.Resources,
                           validation: bool) -> dict[str, Any]:
     """Loads the staged data as the driver will: a bad row fails here, before Ray starts."""
@@ -166,6 +171,7 @@ def _check_data_container(job: t.RLTrainingJob, name: str, path: str, res: t.Res
                  path],
         "resources": _resources(res),
         "securityContext": _security_context(),
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
         "volumeMounts": [{"name": "kuberl-stage", "mountPath": STAGE_DIR},
                          {"name": "kuberl-config", "mountPath": CONFIG_DIR, "readOnly": True}],
     }
@@ -186,6 +192,7 @@ def _stage_container(job: t.RLTrainingJob, name: str, src: str, dst: str, secret
         # main containers, so this costs nothing and speeds up parallel downloads.
         "resources": _resources(res),
         "securityContext": _security_context(),
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
         "volumeMounts": [{"name": "kuberl-stage", "mountPath": STAGE_DIR}],
     }
 
