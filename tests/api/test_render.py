@@ -319,3 +319,13 @@ def test_head_stages_the_model_without_weights_and_revision_travels_in_the_uri()
     assert trainer == ["stage", "--exclude", "*.py", "hf://Qwen/Qwen2.5-1.5B-Instruct@v1.1", "/kuberl/model"]
     assert head[:3] == ["stage", "--exclude", "*.safetensors"] and "*.bin" in head
     assert head[-2:] == ["hf://Qwen/Qwen2.5-1.5B-Instruct@v1.1", "/kuberl/model"]
+
+
+def test_cpu_limit_none_leaves_the_cpu_limit_off_and_the_memory_limit_on():
+    manifest = minimal_manifest()
+    manifest["spec"]["head"] = {"resources": {"cpu": "250m", "memory": "3Gi", "cpuLimit": "none"}}
+    pods = _pods(_by_kind(render(validate_manifest(manifest)))["RayJob"])
+    head = pods["head"]["containers"][0]["resources"]
+    assert head == {"requests": {"cpu": "250m", "memory": "3Gi"}, "limits": {"memory": "3Gi"}}
+    trainer = pods["trainer"]["containers"][0]["resources"]
+    assert trainer["limits"]["cpu"] == trainer["requests"]["cpu"]  # the default: Guaranteed QoS

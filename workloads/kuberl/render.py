@@ -126,12 +126,13 @@ def _pvc_claims(uris_in_pod: list[str]) -> list[str]:
 
 
 def _resources(res: t.Resources, gpus: int = 0) -> dict[str, Any]:
-    # requests == limits: Guaranteed QoS, which the kubelet's CPU and topology managers need to
-    # give GPU pods whole CPUs on the GPU's NUMA node.
+    # requests == limits by default: Guaranteed QoS, which the kubelet's CPU and topology managers
+    # need to give GPU pods whole CPUs on the GPU's NUMA node.
     amounts: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory}
     if gpus:
         amounts["nvidia.com/gpu"] = gpus
-    return {"requests": dict(amounts), "limits": dict(amounts)}
+    limits = {k: v for k, v in amounts.items() if not (k == "cpu" and res.cpu_limit == "none")}
+    return {"requests": dict(amounts), "limits": limits}
 
 
 def _security_context() -> dict[str, Any]:

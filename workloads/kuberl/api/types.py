@@ -218,8 +218,13 @@ class AlgorithmSpec(APIModel):
 
 
 class Resources(APIModel):
-    cpu: str = Field("8", pattern=QUANTITY_PATTERN, description="CPU request and limit per pod.")
+    cpu: str = Field("8", pattern=QUANTITY_PATTERN, description="CPU request (and limit, see cpuLimit) per pod.")
     memory: str = Field("64Gi", pattern=QUANTITY_PATTERN, description="Memory request and limit per pod.")
+    cpu_limit: Literal["request", "none"] = Field(
+        "request", description="request: the CPU limit equals the request (Guaranteed QoS, which the "
+                               "kubelet's static CPU manager needs to pin GPU pods to their NUMA node); "
+                               "none: no CPU limit (Burstable), for small or shared CPU clusters where a "
+                               "throttled Ray head misses its health probes.")
 
 
 class MoESpec(APIModel):
