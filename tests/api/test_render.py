@@ -4,6 +4,7 @@ the Kubernetes OpenAPI schemas, and carries the security and placement propertie
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,13 @@ def _rendered(example: Path) -> list[dict[str, Any]]:
 
 def _by_kind(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {o["kind"]: o for o in objects}
+
+
+def _ray_resources(group: dict[str, Any]) -> dict[str, int]:
+    """The custom resources a worker group's `ray start` gets, after bash has parsed the command
+    line KubeRay builds from rayStartParams (`ray start --resources=<value>`)."""
+    flag, = shlex.split(f"--resources={group['rayStartParams']['resources']}")
+    return json.loads(flag.removeprefix("--resources="))
 
 
 def _pods(ray_job: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -172,7 +180,7 @@ def test_gpu_requests_groups_and_guaranteed_qos_for_numa():
     groups = {g["groupName"]: g for g in ray_job["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
     assert set(groups) == {"trainer", "rollout"}
     assert groups["trainer"]["replicas"] == 2
-    assert json.loads(groups["rollout"]["rayStartParams"]["resources"]) == {"kuberl_rollout": 4}
+    assert _ray_resources(groups["rollout"]) == {"kuberl_rollout": 4}
     for group in groups.values():
         (container,) = group["template"]["spec"]["containers"]
         res = container["resources"]
@@ -185,7 +193,7 @@ def test_colocated_job_has_no_rollout_group():
     ray_job = _by_kind(render_manifest(manifest))["RayJob"]
     (group,) = ray_job["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     assert group["groupName"] == "trainer"
-    assert json.loads(group["rayStartParams"]["resources"]) == {"kuberl_trainer": 8, "kuberl_rollout": 8}
+    assert _ray_resources(group) == {"kuberl_trainer": 8, "kuberl_rollout": 8}
 
 
 def test_checkpoints_are_never_staged_ranks_restore_from_the_uri():
@@ -223,7 +231,7 @@ def test_config_map_holds_the_run_plan_the_ray_job_was_rendered_from(example):
     groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
     assert 1 + sum(g["replicas"] for g in groups.values()) == plan.topology.expected_pods
     for name, group in groups.items():
-        assert json.loads(group["rayStartParams"]["resources"]) == plan.topology.group_resources[name]
+        assert _ray_resources(group) == plan.topology.group_resources[name]
     # GPUs: what the trainer ranks and engines ask Ray for is exactly what the pods have.
     trainer_gpus = int(groups["trainer"]["rayStartParams"]["num-gpus"])
     engine_gpus = plan.topology.engines * plan.topology.gpus_per_engine
@@ -246,7 +254,7 @@ def test_in_a_ray_job_ranks_and_engines_reserve_their_slot_not_a_cpu():
     assert topo.slot_reservation(topo.trainer_resource, {"CPU": 4.0}) == {"num_cpus": 1}
     ray_job = _by_kind(render(validate_manifest(manifest)))["RayJob"]
     trainer, = [g for g in ray_job["spec"]["rayClusterSpec"]["workerGroupSpecs"] if g["groupName"] == "trainer"]
-    assert json.loads(trainer["rayStartParams"]["resources"]) == {topo.trainer_resource: 2}
+    assert _ray_resources(trainer) == {topo.trainer_resource: 2}
 
 
 def _source_files() -> str:

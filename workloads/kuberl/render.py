@@ -313,6 +313,13 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
     return {"metadata": {"labels": labels(job, role)}, "spec": pod_spec}
 
 
+def ray_start_resources(resources: dict[str, int]) -> str:
+    """rayStartParams.resources as KubeRay wants it: it pastes each value into a bash command line
+    (`ray start --resources=<value>`), so the JSON goes in single quotes, as KubeRay's own code
+    writes it. Bare JSON would reach Ray split at its spaces and stripped of its double quotes."""
+    return f"'{json.dumps(resources)}'"
+
+
 def _cpu_count(quantity: str) -> str:
     """Ray's --num-cpus from a Kubernetes CPU quantity (whole CPUs, at least 1)."""
     if quantity.endswith("m"):
@@ -332,7 +339,7 @@ def _worker_group(job: t.RLTrainingJob, group: str, replicas: int, res: t.Resour
             "num-gpus": str(gpus),
             # A custom resource per process slot places trainer and engine actors on their own
             # group (colocated: engine slots on the trainer pods); counts from the run plan.
-            "resources": json.dumps(plan.topology.group_resources[group]),
+            "resources": ray_start_resources(plan.topology.group_resources[group]),
             "metrics-export-port": str(RAY_METRICS_PORT),
         },
         "template": _pod_template(job, group, res, gpus, plan),
