@@ -528,6 +528,7 @@ class Cluster:
         nodes = [node for node in nodes if name not in self._imported[node.name]]
         if not nodes:
             return
+        images.check_room_for_import(image, len(nodes), self.workdir)
         images.import_into([node.ctr() for node in nodes], image, name,
                            [self.log_dir / f"import-{node.name}.log" for node in nodes])
         for node in nodes:

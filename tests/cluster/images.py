@@ -297,6 +297,25 @@ def missing_images(names: tuple[str, ...] = NAMES) -> list[str]:
     return [n for n, tag in [("base", base_tag()), ("pause", PAUSE_IMAGE), *((n, local_tag(n)) for n in names)] if not image_exists(tag)]
 
 
+def image_size(tag: str) -> int:
+    out = subprocess.run(podman_argv("image", "inspect", "--format", "{{.Size}}", tag), capture_output=True, text=True)
+    return int(out.stdout.strip() or 0)
+
+
+def check_room_for_import(tag: str, nodes: int, directory: Path) -> None:
+    """Each node's containerd keeps an imported image twice (its layers, and them unpacked): fail
+    before an import would fill the disk. A full disk does not just fail the import: the nodes'
+    kubelets then reclaim space by deleting images nothing can pull back (the pause image among
+    them), and every pod after that fails to start."""
+    need = 2 * nodes * image_size(tag)
+    free = shutil.disk_usage(directory).free
+    # Keep a tenth of the need spare for pods' logs and emptyDirs.
+    if free < need * 1.1:
+        raise ImageError(f"importing {tag} into {nodes} node(s) needs about {need / 2**30:.1f} GiB under {directory}; "
+                         f"{free / 2**30:.1f} GiB are free. Free some space (old /tmp/kuberl-cluster-* directories "
+                         f"of killed runs, `podman --root {storage_dir()} image prune`), or use fewer real nodes.")
+
+
 def import_into(ctrs: list[list[str]], image: str, name: str, logs: list[Path]) -> None:
     """Stream podman's `image` into containerds (one argv prefix `ctr` each, log beside it) as
     `name`: one `podman save` feeds them all at once, since the save (re-reading every layer of a
