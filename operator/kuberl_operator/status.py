@@ -132,13 +132,15 @@ def current_workload_error(job: t.RLTrainingJob, attempt: int) -> t.WorkloadErro
 
 def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] | None,
                    ray_cluster: dict[str, Any] | None, pods: list[dict[str, Any]], now: datetime, *, attempt: int = 0,
-                   refused: list[str] = (), restart_in: float | None = None) -> dict[str, Any]:
+                   refused: list[str] = (), restart_in: float | None = None,
+                   suspend_wait: str | None = None) -> dict[str, Any]:
     """The operator's part of ``job.status`` (a merge patch), from the current attempt's RayJob,
     its RayCluster and pods.
 
     ``plan`` is the attempt's run plan (how many pods make the cluster); ``attempt`` is the attempt being run (status.restarts after a restart was decided);
     ``refused`` names spec fields whose change was refused; ``restart_in`` is set while the failed
-    attempt waits for its backoff before the next one is created.
+    attempt waits for its backoff before the next one is created; ``suspend_wait`` says what a
+    suspend waits for before the cluster goes (the driver's checkpoint).
     """
     spec = job.spec
     current = job.status or t.RLTrainingJobStatus()
@@ -182,10 +184,14 @@ def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] 
     elif spec.suspend:
         done = o.deployment_status(ray_job) == o.DEPLOYMENT_SUSPENDED or ray_job is None or o.failed(ray_job)
         phase = "Suspended"
-        message = ("suspended: the Ray cluster is gone; set spec.suspend to false to resume from the "
-                   "newest checkpoint" if done else
-                   "suspending: KubeRay is stopping the Ray job and deleting the cluster")
-        conditions.append(_condition(SUSPENDED, True, "Suspended" if done else "Suspending", message))
+        if done:
+            reason, message = "Suspended", ("suspended: the Ray cluster is gone; set spec.suspend to false to "
+                                            "resume from the newest checkpoint")
+        elif suspend_wait:
+            reason, message = "Checkpointing", suspend_wait
+        else:
+            reason, message = "Suspending", "suspending: KubeRay is deleting the Ray cluster"
+        conditions.append(_condition(SUSPENDED, True, reason, message))
     elif ray_job is None:
         phase, message = "Pending", f"creating RayJob {ray_job_name(job, attempt)}"
     elif init_failure:

@@ -117,11 +117,14 @@ def test_cli_render_reports_the_field_and_exits_non_zero(tmp_path, capsys):
     assert "spec.rollout.tensorParallelSize" in err and "must divide" in err
 
 
-def test_workload_identity_may_only_patch_its_own_status():
+def test_workload_identity_may_only_patch_its_own_status_and_read_its_own_job():
     objs = _by_kind(render_manifest(minimal_manifest("job-a")))
     assert objs["Role"]["rules"] == [{
         "apiGroups": ["kuberl.dev"], "resources": ["rltrainingjobs/status"],
         "resourceNames": ["job-a"], "verbs": ["patch"],
+    }, {
+        "apiGroups": ["kuberl.dev"], "resources": ["rltrainingjobs"],
+        "resourceNames": ["job-a"], "verbs": ["get"],
     }]
     assert objs["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": "job-a-workload",
                                                "namespace": "default"}]

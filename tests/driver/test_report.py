@@ -66,10 +66,18 @@ def test_workload_identity_patches_its_own_status_only(crd, tmp_path):
     assert status["workloadError"]["reason"] == "RewardFunctionFailed" and status["workloadError"]["attempt"] == 0
     assert status["workloadError"]["message"] == "spec.reward.function failed: TypeError('not a list')"
 
+    # It reads its own job's spec.suspend (to checkpoint before a suspend).
+    assert reporter.suspend_requested() is False
+    cluster.kubectl("patch", "rltj", "mine", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    assert reporter.suspend_requested() is True
+
     # The same token cannot touch another job's status, nor the job's spec.
     other = KubernetesStatusReporter(cluster.server, ns, "other", token, cluster.ca.pair.cert)
     with pytest.raises(urllib.error.HTTPError) as info:
         other._send({"progress": {"step": 1}})
+    assert info.value.code == 403
+    with pytest.raises(urllib.error.HTTPError) as info:
+        other._request(other.job_url)
     assert info.value.code == 403
     denied = cluster.kubectl("auth", "can-i", "patch", "rltrainingjobs/mine", "-n", ns,
                              f"--as=system:serviceaccount:{ns}:mine-workload", check=False).stdout.strip()

@@ -102,6 +102,30 @@ def test_suspend_and_resume_patch_the_rayjob():
     assert created.apply[-1]["spec"]["suspend"] is True
 
 
+def test_suspend_waits_for_the_drivers_checkpoint_of_its_last_step_then_takes_the_cluster():
+    """KubeRay deletes a suspended RayJob's cluster without stopping the Ray job: the operator
+    waits until the driver (which reads spec.suspend after each step) has checkpointed."""
+    running = ray_job("tiny", deployment="Running")
+    progress = {"progress": {"step": 13, "totalSteps": 20}}
+    status = {**CHECKPOINT, **progress}
+    plan = next_action(job(suspend=True, checkpoint={"uri": ROOT}, status=status), observed(running), NOW, SETTINGS)
+    assert plan.suspend is None and plan.requeue_after == SETTINGS.suspend_poll_seconds
+    cond = {c["type"]: c for c in plan.status["conditions"]}["Suspended"]
+    assert cond["reason"] == "Checkpointing" and "checkpoint step 13" in cond["message"]
+    # The checkpoint of step 13 is in: the cluster may go.
+    saved = {"lastCheckpoint": {**CHECKPOINT["lastCheckpoint"], "step": 13}, **progress}
+    plan = next_action(job(suspend=True, checkpoint={"uri": ROOT}, status=saved), observed(running), NOW, SETTINGS)
+    assert plan.suspend == ("tiny", True)
+    # No driver answer within the timeout: suspended anyway.
+    waited = {**status, "conditions": [{"type": "Suspended", "status": "True", "reason": "Checkpointing",
+                                        "message": "", "lastTransitionTime": "2026-01-01T11:00:00Z"}]}
+    plan = next_action(job(suspend=True, checkpoint={"uri": ROOT}, status=waited), observed(running), NOW, SETTINGS)
+    assert plan.suspend == ("tiny", True)
+    # Nothing to wait for without a checkpoint.uri.
+    plan = next_action(job(suspend=True, status=status), observed(running), NOW, SETTINGS)
+    assert plan.suspend == ("tiny", True)
+
+
 def test_suspended_failed_job_is_not_restarted():
     failed = ray_job("tiny", deployment="Failed", endTime="2026-01-01T11:00:00Z")
     plan = next_action(job(suspend=True), observed(failed), NOW, SETTINGS)

@@ -418,11 +418,18 @@ def render_workload_identity(job: t.RLTrainingJob) -> list[dict[str, Any]]:
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": _metadata(job, name, "workload"),
+            # The driver reports progress to its own job's status, and reads its own job's
+            # spec.suspend to checkpoint before a suspend; nothing else, no other job.
             "rules": [{
                 "apiGroups": [t.GROUP],
                 "resources": [f"{t.PLURAL}/status"],
                 "resourceNames": [job.metadata.name],
                 "verbs": ["patch"],
+            }, {
+                "apiGroups": [t.GROUP],
+                "resources": [t.PLURAL],
+                "resourceNames": [job.metadata.name],
+                "verbs": ["get"],
             }],
         },
         {
