@@ -52,12 +52,12 @@ class Product:
         return time.monotonic()
 
     def wait_status(self, name: str, what: str, done, timeout: float, interval: float = 1.0) -> dict:
-        """Poll the job's status until ``done(status)``; fails early when it reaches Failed."""
+        """Poll the job's status until ``done(status)``; fails early when the job finished first."""
         def probe():
             status = self.status(name)
-            if status.get("phase") == "Failed" and not done(status):
-                raise AssertionError(f"job {name} failed while waiting for {what}: {json.dumps(status, indent=1)}"
-                                     f"\n{self.describe(name)}")
+            if status.get("phase") in ("Failed", "Succeeded") and not done(status):
+                raise AssertionError(f"job {name} ended ({status['phase']}) while waiting for {what}: "
+                                     f"{json.dumps(status, indent=1)}\n{self.describe(name)}")
             return status if done(status) else None
         try:
             return wait_for(f"job {name}: {what}", probe, self.cluster, timeout=timeout, interval=interval)
@@ -144,6 +144,8 @@ def product(real_cluster, tmp_path_factory):
     assert pod["spec"]["containers"][0]["image"] == public_name("operator")
     assert pod["spec"]["nodeName"].startswith("real-node-")
     yield Product(cluster, host_env, url, tiny)
+    # Whatever a failed test left running goes, so that later tests on this cluster get its CPUs.
+    cluster.kubectl("delete", "rltj", "--all", "-n", NAMESPACE, "--wait=true", "--timeout=180s", check=False)
     # The operator's log belongs with the cluster's when a test failed.
     log = cluster.kubectl("logs", pod["metadata"]["name"], "-n", OPERATOR_NAMESPACE, check=False).stdout
     (cluster.log_dir / "kuberl-operator-pod.log").write_text(log)
