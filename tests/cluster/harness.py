@@ -503,6 +503,12 @@ class Cluster:
                     "--v=1",
                 ],
             )
+            # One at a time: every kubelet binds /var/lib/kubelet/device-plugins/kubelet.sock
+            # (a fixed path, whatever --root-dir says), and two starting together can both find it
+            # taken ("address already in use").
+            healthz = f"http://127.0.0.1:{self.ports[f'kubelet-healthz-{i}']}/healthz"
+            _wait(f"kubelet of {node.name} /healthz", lambda healthz=healthz: _http_ok(healthz), 60,
+                  list(self.processes), interval=0.2)
         proxy_config = self.workdir / "kube-proxy.json"
         proxy_config.write_text(json.dumps(realnodes.kube_proxy_config(
             self.kubeconfigs["kube-proxy"], self.real_nodes[0].name,
