@@ -24,7 +24,8 @@ from kuberl import plan as plans
 from kuberl.api import types as t
 from kuberl.render import CONFIG_FILE, ray_job_name, render
 from kuberl_operator import observed as o
-from kuberl_operator.status import FINISHED_PHASES, compute_status, current_workload_error, finished_status
+from kuberl_operator.status import (FINISHED_PHASES, SUSPENDED, compute_status, current_workload_error,
+                                    finished_status)
 
 # camelCase spec fields that may change while a job exists.
 MUTABLE_FIELDS = ("suspend", "backoffLimit", "ttlSecondsAfterFinished")
@@ -163,7 +164,7 @@ def checkpoint_before_suspend(job: t.RLTrainingJob, ray_job: dict[str, Any], now
     if saved >= progress.step:
         return None
     since = next((c.last_transition_time for c in status.conditions
-                  if c.type == "Suspended" and c.status == "True"), now)
+                  if c.type == SUSPENDED and c.status == "True"), now)
     if (now - since).total_seconds() >= settings.suspend_checkpoint_timeout_seconds:
         return None
     return (f"suspending: waiting for the driver to checkpoint step {progress.step} before the Ray cluster "

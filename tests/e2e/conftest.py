@@ -91,6 +91,11 @@ def example(name: str | None = None, **spec_changes) -> dict:
     return manifest
 
 
+def condition(status: dict, type_: str) -> dict:
+    """The job status's condition of that type ({} if it has none)."""
+    return next((c for c in status.get("conditions") or [] if c["type"] == type_), {})
+
+
 def record_timing(what: str, value: str) -> None:
     TIMINGS[what] = value
 

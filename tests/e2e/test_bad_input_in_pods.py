@@ -9,17 +9,13 @@ import time
 import pytest
 
 from tests.cluster.helpers import get_json
-from tests.e2e.conftest import NAMESPACE, OPERATOR_NAMESPACE, example
+from tests.e2e.conftest import NAMESPACE, OPERATOR_NAMESPACE, condition, example
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_nodes, pytest.mark.slow]
 
 # The jobs that never train ask for next to nothing, so that they all fit beside each other.
 SMALL = {"cpu": "10m", "memory": "1Gi", "cpuLimit": "none"}
 BOUND_S = 240
-
-
-def _condition(status: dict, type_: str) -> dict:
-    return next((c for c in status.get("conditions") or [] if c["type"] == type_), {})
 
 
 def _small(name: str, **spec) -> dict:
@@ -62,8 +58,8 @@ def test_each_run_time_error_ends_in_a_condition_naming_its_cause(product):
     for name, (_, type_, reason, cause) in cases.items():
         left = BOUND_S - (time.monotonic() - began)
         status = product.wait_status(name, f"condition {type_} {reason}",
-                                     lambda s, t=type_, r=reason: _condition(s, t).get("reason") == r, max(left, 1))
-        cond = _condition(status, type_)
+                                     lambda s, t=type_, r=reason: condition(s, t).get("reason") == r, max(left, 1))
+        cond = condition(status, type_)
         assert cond["status"] == "False" and cause in cond["message"], cond
         assert cause in status["message"], status["message"]
     product.kubectl("delete", "rltj", *cases, "-n", NAMESPACE, "--wait=true", "--timeout=120s")
@@ -72,7 +68,7 @@ def test_each_run_time_error_ends_in_a_condition_naming_its_cause(product):
     # it in status.workloadError and the operator fails the job at once, with no restart.
     applied = product.apply(example("bad-reward", reward={"function": "json:loads"}, backoffLimit=3))
     status = product.wait_status("bad-reward", "Failed", lambda s: s.get("phase") == "Failed", 600)
-    failed = _condition(status, "Failed")
+    failed = condition(status, "Failed")
     assert failed["reason"] == "RewardFunctionFailed", failed
     assert "TypeError" in failed["message"] and "JSON object must be str" in failed["message"], failed
     assert status["restarts"] == 0

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from tests.cluster.helpers import get_json, wait_for
-from tests.e2e.conftest import NAMESPACE, example, record_timing
+from tests.e2e.conftest import NAMESPACE, condition, example, record_timing
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_nodes, pytest.mark.slow]
 
@@ -72,10 +72,6 @@ def _submitter_log(product, ray_job: str) -> str:
     return "\n".join(product.kubectl("logs", p["metadata"]["name"], "-n", NAMESPACE, check=False).stdout for p in pods)
 
 
-def _condition(status: dict, type_: str) -> dict:
-    return next((c for c in status.get("conditions") or [] if c["type"] == type_), {})
-
-
 def _ray_pods(product) -> list[str]:
     pods = get_json(product.cluster, "pods", "-n", NAMESPACE, "-l", f"kuberl.dev/job={JOB}")["items"]
     return [p["metadata"]["name"] for p in pods]
@@ -112,7 +108,7 @@ def test_grpo_in_pods_survives_a_pod_kill_and_a_suspend_resumes_exactly_and_succ
     # from that checkpoint.
     product.kubectl("patch", "rltj", JOB, "-n", NAMESPACE, "--type=merge", "-p", '{"spec":{"suspend":true}}')
     status = product.wait_status(JOB, "Suspended with the cluster gone",
-                                 lambda s: _condition(s, "Suspended").get("reason") == "Suspended", RUN_TIMEOUT_S)
+                                 lambda s: condition(s, "Suspended").get("reason") == "Suspended", RUN_TIMEOUT_S)
     wait_for("the Ray pods to go", lambda: not _ray_pods(product), product.cluster, timeout=120, interval=1)
     suspended_at = status["lastCheckpoint"]["step"]
     assert suspended_at == status["progress"]["step"] >= 1, status
