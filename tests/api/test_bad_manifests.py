@@ -24,3 +24,12 @@ def test_bad_manifest_is_rejected_naming_the_field(case):
     with pytest.raises((ManifestError, URIError)) as info:
         render_manifest(case.manifest)
     assert case.message in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr-grpo", "dapo", "rloo", "gspo"])
+def test_every_algorithm_name_renders(name):
+    manifest = minimal_manifest(f"algo-{name}")
+    manifest["spec"]["algorithm"] = {"name": name}
+    if name == "dapo":
+        manifest["spec"]["algorithm"].update(overlongBuffer=256, overlongPenalty=0.5, maxRefillRounds=2)
+    assert "RayJob" in [o["kind"] for o in render_manifest(manifest)]

@@ -170,10 +170,33 @@ class RewardSpec(APIModel):
     cpus_per_worker: float = Field(1.0, gt=0, le=64, description="CPUs each reward worker reserves.")
 
 
+AlgorithmName = Literal["grpo", "dr-grpo", "dapo", "rloo", "gspo"]
+# (clipRatioLow, clipRatioHigh) when unset: PPO's 0.2; DAPO's clip-higher (arXiv 2503.14476);
+# GSPO's ranges for its sequence-level ratio (arXiv 2507.18071, section 5.1).
+ALGORITHM_CLIP_DEFAULTS: dict[str, tuple[float, float]] = {
+    "grpo": (0.2, 0.2), "dr-grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "rloo": (0.2, 0.2), "gspo": (3e-4, 4e-4)}
+DAPO_OVERLONG_PENALTY = 1.0
+DAPO_MAX_REFILL_ROUNDS = 3
+
+
+def _clip_cel(bound: str) -> str:
+    """CEL for clipRatio<bound> as the job gets it: the field, else the algorithm's default."""
+    index = 0 if bound == "Low" else 1
+    default = "0.0"
+    for name, pair in reversed(list(ALGORITHM_CLIP_DEFAULTS.items())):
+        default = f"(self.name == '{name}' ? {pair[index]!r} : {default})"
+    return f"(has(self.clipRatio{bound}) ? double(self.clipRatio{bound}) : {default})"
+
+
 class AlgorithmSpec(APIModel):
     model_config = ConfigDict(json_schema_extra=_rules(
-        rule("self.clipRatioHigh >= self.clipRatioLow",
-             "algorithm.clipRatioHigh must be >= algorithm.clipRatioLow", ".clipRatioHigh"),
+        rule(f"{_clip_cel('High')} >= {_clip_cel('Low')}",
+             "algorithm.clipRatioHigh must be >= algorithm.clipRatioLow (unset, each takes the "
+             "algorithm's default: docs/algorithms.md)", ".clipRatioHigh"),
+        rule("self.name == 'dapo' || (!has(self.overlongBuffer) && !has(self.overlongPenalty) && "
+             "!has(self.maxRefillRounds))",
+             "algorithm.overlongBuffer, overlongPenalty and maxRefillRounds apply to name: dapo only; "
+             "remove them or set algorithm.name: dapo", ".name"),
         rule("self.microBatchSize < 1 || (self.promptsPerStep * self.groupSize) % self.microBatchSize == 0",
              "algorithm.microBatchSize must divide promptsPerStep * groupSize (samples per step)",
              ".microBatchSize"),
@@ -182,7 +205,10 @@ class AlgorithmSpec(APIModel):
              "algorithm.miniBatchSize must divide algorithm.promptsPerStep (prompts per optimizer update)",
              ".miniBatchSize"),
     ))
-    name: Literal["grpo"] = Field("grpo", description="The RL algorithm.")
+    name: AlgorithmName = Field("grpo", description="The RL algorithm (docs/algorithms.md): grpo "
+                                "(group-normalised advantages, token-mean loss), dr-grpo (no std or "
+                                "length normalisation), dapo (clip-higher, dynamic sampling, overlong "
+                                "shaping), rloo (leave-one-out baseline) or gspo (sequence-level ratio).")
     group_size: int = Field(8, ge=2, le=1024, description="Samples per prompt; advantages are normalised within a group.")
     prompts_per_step: int = Field(32, ge=1, le=65536, description="Prompts per training step.")
     micro_batch_size: int = Field(4, ge=1, le=4096, description="Samples per forward/backward on one rank.")
@@ -194,9 +220,12 @@ class AlgorithmSpec(APIModel):
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy; 0 "
                            "(the default, as in verl and DAPO) disables it and keeps no reference model.")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
-    clip_ratio_low: float = Field(0.2, ge=0, le=1, description="PPO clip: ratio lower bound is 1 - clipRatioLow.")
-    clip_ratio_high: float = Field(0.2, ge=0, le=10, description="PPO clip: ratio upper bound is 1 + "
-                                   "clipRatioHigh (DAPO's clip-higher: 0.28).")
+    clip_ratio_low: float | None = Field(None, ge=0, le=1, description="PPO clip: the ratio's lower bound "
+                                         "is 1 - clipRatioLow. Default: the algorithm's (0.2; gspo 3e-4, "
+                                         "its ratio is per sequence).")
+    clip_ratio_high: float | None = Field(None, ge=0, le=10, description="PPO clip: the ratio's upper bound "
+                                          "is 1 + clipRatioHigh. Default: the algorithm's (0.2; dapo's "
+                                          "clip-higher 0.28; gspo 4e-4).")
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature for rollouts.")
     seed: int = Field(42, ge=0, le=2**31 - 1, description="Seed for data order, sampling and initialisation.")
     mini_batch_size: int | None = Field(None, ge=1, le=65536, description="Prompts (whole groups) per "
@@ -215,6 +244,35 @@ class AlgorithmSpec(APIModel):
     top_k: int = Field(-1, ge=-1, le=1_000_000, description="Top-k sampling for rollouts; -1 disables it.")
     stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings for rollouts "
                             "(the stop string is kept out of the response).")
+    overlong_buffer: int | None = Field(None, ge=0, le=1_048_576, description="dapo: overlong reward "
+                                        "shaping over the last overlongBuffer tokens before "
+                                        "rollout.maxResponseLength (DAPO's L_cache); 0 turns it off. "
+                                        "Default: maxResponseLength / 5 (DAPO: 4096 of 20480).")
+    overlong_penalty: float | None = Field(None, ge=0, le=100, description="dapo: the shaping's largest "
+                                           "penalty, reached at rollout.maxResponseLength. Default: 1.0.")
+    max_refill_rounds: int | None = Field(None, ge=0, le=64, description="dapo: extra generation rounds "
+                                          "that refill the step's batch after dynamic sampling dropped the "
+                                          "groups whose rewards are all equal; still short after them, the "
+                                          "step trains with dropped groups in the gaps. Default: 3.")
+
+    def clip_range(self) -> tuple[float, float]:
+        """(clipRatioLow, clipRatioHigh) with the algorithm's defaults for the unset ones."""
+        low, high = ALGORITHM_CLIP_DEFAULTS[self.name]
+        return (low if self.clip_ratio_low is None else self.clip_ratio_low,
+                high if self.clip_ratio_high is None else self.clip_ratio_high)
+
+    def overlong(self, max_response_length: int) -> tuple[int, float]:
+        """dapo's (overlongBuffer, overlongPenalty) with their defaults; (0, 0) for the others."""
+        if self.name != "dapo":
+            return 0, 0.0
+        buffer = max_response_length // 5 if self.overlong_buffer is None else self.overlong_buffer
+        return buffer, DAPO_OVERLONG_PENALTY if self.overlong_penalty is None else self.overlong_penalty
+
+    def refill_rounds(self) -> int:
+        """dapo's maxRefillRounds with its default; 0 for the others (they keep every group)."""
+        if self.name != "dapo":
+            return 0
+        return DAPO_MAX_REFILL_ROUNDS if self.max_refill_rounds is None else self.max_refill_rounds
 
 
 class Resources(APIModel):
@@ -454,6 +512,9 @@ class RLTrainingJobSpec(APIModel):
              "self.rollout.resources.cpu.matches('^[0-9]+$')",
              "numa.policy gpu-local needs an integer rollout.resources.cpu (Guaranteed QoS lets the "
              "kubelet pin whole CPUs)", ".rollout.resources.cpu"),
+        rule("!has(self.algorithm.overlongBuffer) || self.algorithm.overlongBuffer < self.rollout.maxResponseLength",
+             "algorithm.overlongBuffer must be below rollout.maxResponseLength (the shaping covers the "
+             "last overlongBuffer tokens of it); lower it or raise maxResponseLength", ".algorithm.overlongBuffer"),
         rule("self.checkpoint.resume in ['auto', 'never'] || !has(self.checkpoint.uri) || "
              "self.checkpoint.resume != self.checkpoint.uri",
              "checkpoint.resume names the checkpoint root itself; use auto to resume from the newest "

@@ -1,10 +1,12 @@
-"""The GRPO loop: the single controller that owns the run; Ray actors do the work.
+"""The RL loop: the single controller that owns the run; Ray actors do the work.
 
 Each step: the step's prompts (a pure function of seed and step) -> ``groupSize`` samples per
-prompt from the rollout engines -> rewards -> group-normalised advantages -> old and reference
-log-probs from the trainer -> policy updates over mini-batches (``kuberl.train.updates``) -> weight
-sync to the engines -> validation when due -> metrics, trackers, progress
-and, every ``intervalSteps``, a checkpoint. Everything a resumed run needs is in the checkpoint
+prompt from the rollout engines -> rewards, shaped by the algorithm -> the groups it trains on
+(dynamic sampling refills dropped ones) -> its advantages -> the log-probs it needs from the
+trainer -> policy updates over mini-batches (``kuberl.train.updates``; the trainer's loss is the
+algorithm's too) -> weight sync to the engines -> validation when due -> metrics, trackers, progress
+and, every ``intervalSteps``, a checkpoint. The algorithm is ``spec.algorithm.name`` looked up once
+in ``kuberl.train.algorithms.registry``, here and in ``TrainerConfig.from_spec``. Everything a resumed run needs is in the checkpoint
 (trainer state, step, weight version), so a resumed run continues exactly where it stopped.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import signal
 import time
 from dataclasses import dataclass, field
@@ -22,6 +25,8 @@ from kuberl import metrics as pod_metrics
 from kuberl.api.types import RLTrainingJob
 from kuberl.plan import RunPlan
 from kuberl.samples import Sample, TrainBatch
+from kuberl.train.algorithms import registry
+from kuberl.train.algorithms.sampling import fill_groups
 from kuberl.train.checkpoint import CheckpointManager
 from kuberl.train.data import Prompt, PromptStream, check_prompt_lengths, load_for_spec, steps_for_epochs
 from kuberl.train.report import StatusReporter
@@ -43,6 +48,16 @@ class StepResult:
     reward_mean: float
     metrics: dict[str, float]
     rewards: list[float] = field(default_factory=list)
+
+
+# Which trainer method computes each log-prob an algorithm asks for (Algorithm.logprobs).
+LOGPROB_METHODS = {"old": "log_probs", "ref": "ref_log_probs"}
+
+
+def refill_seed(seed: int, step: int, round_: int) -> int:
+    """The sampling seed of dynamic sampling's extra round ``round_`` (the step's own round uses
+    ``seed * 1_000_003 + step``): a pure function of (seed, step, round), so a resume regenerates it."""
+    return random.Random(f"refill/{seed}/{step}/{round_}").randrange(2**31)
 
 
 class Preemption:
@@ -77,6 +92,7 @@ class GRPODriver:
         self.reporter = reporter
         self.preemption = preemption or Preemption()
         algo = self.spec.algorithm
+        self.algorithm = registry.get(algo.name)
         prompts = self._fitting(load_for_spec(data_path, self.spec.data), "spec.data")
         self.stream = PromptStream(prompts, algo.seed)
         self.total_steps = (steps_for_epochs(algo.epochs, len(prompts), algo.prompts_per_step)
@@ -108,14 +124,15 @@ class GRPODriver:
         return check_prompt_lengths(prompts, [len(self._chat_ids(p.messages)) for p in prompts],
                                     self.spec.rollout.max_prompt_length, self.spec.data.overlong_prompts, spec_field)
 
-    def rollout(self, step: int) -> list[Sample]:
+    def _scored_groups(self, prompts: list[Prompt], seed: int) -> list[list[Sample]]:
+        """``groupSize`` scored samples per prompt: ``sample.reward`` is what the algorithm trains
+        on (the reward function's, shaped: dapo's overlong penalty), ``metadata['task_reward']``
+        the reward function's own."""
         algo = self.spec.algorithm
+        max_tokens = self.spec.rollout.max_response_length
         started = time.perf_counter()
-        prompts = self.stream.batch(step, algo.prompts_per_step)
         groups = self.engines.generate([self._chat_ids(p.messages) for p in prompts], algo.group_size,
-                                       temperature=algo.temperature,
-                                       max_tokens=self.spec.rollout.max_response_length,
-                                       seed=algo.seed * 1_000_003 + step,
+                                       temperature=algo.temperature, max_tokens=max_tokens, seed=seed,
                                        top_p=algo.top_p, top_k=algo.top_k, stop=algo.stop or None)
         samples, inputs = [], []
         for index, (prompt, group) in enumerate(zip(prompts, groups, strict=True)):
@@ -129,34 +146,62 @@ class GRPODriver:
                     prompt=prompt.text, response=sample.response_text, answer=prompt.answer,
                     data_source=prompt.data_source, extra_info=prompt.extra_info,
                     prompt_tokens=len(sample.prompt_ids), response_tokens=len(sample.response_ids),
-                    max_response_tokens=self.spec.rollout.max_response_length,
-                    finish_reason=sample.finish_reason, group=index))
+                    max_response_tokens=max_tokens, finish_reason=sample.finish_reason, group=index))
         rewards = self.reward_fn(inputs)
-        for sample, reward in zip(samples, rewards, strict=True):
-            sample.reward = reward
+        buffer, penalty = algo.overlong(max_tokens)
+        shaped = self.algorithm.shape_rewards(rewards, [len(s.response_ids) for s in samples],
+                                              max_response_tokens=max_tokens, overlong_buffer=buffer,
+                                              overlong_penalty=penalty)
+        for sample, reward, value in zip(samples, rewards, shaped, strict=True):
+            sample.metadata["task_reward"] = reward
+            sample.reward = value
         pod_metrics.record_rollout(sum(len(s.response_ids) for s in samples), time.perf_counter() - started)
-        return samples
+        return [list(group) for group in groups]
+
+    def rollout(self, step: int) -> tuple[list[Sample], list[float], dict[str, float]]:
+        """The step's batch, its prompts' task rewards and the rollout's metrics. The batch holds
+        the groups the algorithm keeps (``keep_group``), refilled from extra rounds of prompts
+        (dynamic sampling, ``maxRefillRounds``), numbered in batch order. The task rewards are
+        those of the step's own prompts, before any filter: what ``reward_mean`` reports."""
+        algo = self.spec.algorithm
+        first = self._scored_groups(self.stream.batch(step, algo.prompts_per_step), algo.seed * 1_000_003 + step)
+        filled = fill_groups(
+            first, lambda round_, count: self._scored_groups(self.stream.refill(step, round_, count),
+                                                             refill_seed(algo.seed, step, round_)),
+            keep=lambda group: self.algorithm.keep_group([s.metadata["task_reward"] for s in group]),
+            want=algo.prompts_per_step, max_rounds=algo.refill_rounds())
+        if filled.padded:
+            log.warning("step %d: %d of %d groups have rewards that are all equal after %d refill rounds; "
+                        "training with them in the gaps (raise algorithm.maxRefillRounds)",
+                        step, filled.padded, algo.prompts_per_step, filled.rounds)
+        samples = []
+        for index, group in enumerate(filled.groups):
+            for sample in group:
+                sample.group = index
+                samples.append(sample)
+        task_rewards = [s.metadata["task_reward"] for group in first for s in group]
+        metrics = {"groups_dropped": float(filled.dropped), "groups_padded": float(filled.padded),
+                   "refill_rounds": float(filled.rounds), "groups_generated": float(filled.generated),
+                   "reward_shaping": sum(s.reward - s.metadata["task_reward"] for s in samples) / len(samples)}
+        return samples, task_rewards, metrics
 
     def train_step(self, step: int) -> StepResult:
         import torch
 
-        from kuberl.train.loss import group_advantages
-
         started = time.perf_counter()
-        samples = self.rollout(step)
+        samples, task_rewards, rollout_metrics = self.rollout(step)
         colocated = self.plan.topology.colocated
         if colocated:
             self.engines.sleep()  # the trainer ranks get the GPUs' memory while they step
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-        advantages = group_advantages(rewards, torch.tensor([s.group for s in samples]))
+        advantages = self.algorithm.advantages(torch.tensor([s.reward for s in samples], dtype=torch.float64),
+                                               torch.tensor([s.group for s in samples]))
         for sample, advantage in zip(samples, advantages.tolist(), strict=True):
             sample.advantage = advantage
         batch = TrainBatch(samples)
-        # The behaviour policy's log-probs, before the first update: the ratio of every later
-        # update is measured against them (kuberl.train.updates).
-        batch.old_logprobs = self.trainer.log_probs(batch)
-        if self.spec.algorithm.kl_coef > 0:
-            batch.ref_logprobs = self.trainer.ref_log_probs(batch)
+        # The behaviour policy's log-probs ("old"), before the first update: the ratio of every
+        # later update is measured against them (kuberl.train.updates).
+        for name in self.algorithm.logprobs(self.spec.algorithm.kl_coef):
+            setattr(batch, f"{name}_logprobs", getattr(self.trainer, LOGPROB_METHODS[name])(batch))
         metrics = policy_updates(self.trainer, batch, self.spec.algorithm)
         if colocated:
             self.engines.wake_up()
@@ -164,6 +209,8 @@ class GRPODriver:
         sync = self.weight_sync.sync(self.weight_version)
         elapsed = time.perf_counter() - started
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        rewards = torch.tensor(task_rewards, dtype=torch.float64)
+        metrics.update(rollout_metrics)
         metrics.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0,
                        response_length=sum(len(s.response_ids) for s in samples) / len(samples),
                        step_seconds=elapsed, tokens_per_second=tokens / elapsed,

@@ -1,4 +1,5 @@
-"""GRPO/PPO loss terms as plain functions on tensors.
+"""Policy-loss terms as plain functions on tensors (the algorithms in
+``kuberl.train.algorithms`` compose them).
 
 Shapes: per-token tensors are ``(batch, tokens)``; ``mask`` is 1 where a response token is
 trained on. Aggregation is token-level: the sum over every trained token of the batch divided by
@@ -43,6 +44,14 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     with torch.no_grad():
         clipped_tokens = ((clipped > unclipped).to(mask.dtype) * mask).sum()
     return loss, {"clipped_tokens": clipped_tokens}
+
+
+def sequence_sums(values: torch.Tensor, sequence_index: torch.Tensor, count: int) -> torch.Tensor:
+    """Per sequence, the sum of ``values`` over its positions: ``(count,)``. ``sequence_index``
+    (same shape as ``values``) names each position's sequence; multiply ``values`` by the mask
+    first, so positions outside a response add nothing."""
+    return torch.zeros(count, dtype=values.dtype, device=values.device).index_add_(
+        0, sequence_index.reshape(-1), values.reshape(-1))
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, *,

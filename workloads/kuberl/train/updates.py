@@ -7,8 +7,8 @@ the rollouts), before the first update. The batch is then cut into mini-batches 
 from the behaviour policy, the importance ratio moves away from 1 and the PPO clip
 (``clipRatioLow``/``clipRatioHigh``) binds; with a single update it cannot.
 
-The algorithm registry (issue 22) composes here: it decides the log-probs and advantages, and
-``policy_updates`` runs whatever loss the trainer is configured with over the mini-batches.
+The algorithm (``kuberl.train.algorithms``) composes here: the driver computes the log-probs
+and advantages it asks for, and each update's loss on the trainer is the algorithm's.
 """
 
 from __future__ import annotations
