@@ -172,7 +172,7 @@ class RewardSpec(APIModel):
 
 AlgorithmName = Literal["grpo", "dr-grpo", "dapo", "rloo", "gspo"]
 # (clipRatioLow, clipRatioHigh) when unset: PPO's 0.2; DAPO's clip-higher (arXiv 2503.14476);
-# GSPO's ranges for its sequence-level ratio (arXiv 2507.18071, section 5.1).
+# the ranges of GSPO's experiments for its sequence-level ratio (arXiv 2507.18071).
 ALGORITHM_CLIP_DEFAULTS: dict[str, tuple[float, float]] = {
     "grpo": (0.2, 0.2), "dr-grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "rloo": (0.2, 0.2), "gspo": (3e-4, 4e-4)}
 DAPO_OVERLONG_PENALTY = 1.0

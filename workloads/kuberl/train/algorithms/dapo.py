@@ -3,12 +3,13 @@ arXiv 2503.14476). On top of GRPO's group-normalised advantages:
 
 - clip-higher: separate bounds, ``clip(r, 1 - eps_low, 1 + eps_high)`` with eps_high 0.28 > 0.2,
   so low-probability tokens can still rise (against entropy collapse);
-- token-level policy loss: clipped surrogates averaged over every trained token of the batch
-  (eq. 12), so long responses weigh by their tokens;
-- dynamic sampling: groups whose rewards are all equal (the paper: accuracy 0 or 1; the reward
-  function's values, before shaping) give no gradient; they are dropped and the batch is refilled with new prompts (``kuberl.train.algorithms.sampling``,
-  at most ``maxRefillRounds`` extra rounds);
-- overlong reward shaping (eq. 13): over the last ``L_cache`` = ``overlongBuffer`` tokens before
+- token-level policy gradient loss: clipped surrogates averaged over every trained token of the
+  batch, so long responses weigh by their tokens;
+- dynamic sampling: groups whose rewards are all equal (the paper: accuracy 0 or 1; here the
+  reward function's values, before shaping) give no gradient; they are dropped and the batch is
+  refilled with new prompts (``kuberl.train.algorithms.sampling``, at most ``maxRefillRounds``
+  extra rounds);
+- soft overlong punishment: over the last ``L_cache`` = ``overlongBuffer`` tokens before
   ``L_max`` = ``rollout.maxResponseLength`` the reward falls linearly, ``(L_max - L_cache - |y|)
   / L_cache`` times ``overlongPenalty``, reaching ``-overlongPenalty`` at ``L_max``.
 """
@@ -20,8 +21,8 @@ from kuberl.train.algorithms.base import Algorithm, token_ratio_loss
 
 
 def overlong_shaping(response_tokens: int, max_response_tokens: int, buffer: int, penalty: float) -> float:
-    """DAPO's soft overlong punishment (eq. 13), scaled by ``penalty``: 0 up to
-    ``max - buffer`` tokens, then falling linearly to ``-penalty`` at ``max`` (and beyond)."""
+    """DAPO's soft overlong punishment scaled by ``penalty``: 0 up to ``max - buffer`` tokens,
+    then falling linearly to ``-penalty`` at ``max`` (and beyond)."""
     if buffer <= 0:
         return 0.0
     over = response_tokens - (max_response_tokens - buffer)

@@ -5,7 +5,8 @@ at sequence level, ``max(-A_i * s_i, -A_i * clip(s_i, 1 - eps_low, 1 + eps_high)
 is the mean over the update's sequences. Advantages are GRPO's group-normalised ones. Token ratios
 are noisy, and for Mixture-of-Experts models routing differences between the behaviour and the
 current policy make them more so; one ratio per sequence keeps the update stable (the paper's
-motivation). Its ratios sit near 1, hence its tight default clip ranges (3e-4, 4e-4; section 5.1).
+motivation). Its ratios sit near 1, hence the tight default clip ranges of its experiments
+(3e-4, 4e-4).
 """
 
 from __future__ import annotations
