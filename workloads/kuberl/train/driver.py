@@ -6,8 +6,9 @@ prompt from the rollout engines -> rewards, shaped by the algorithm -> the group
 trainer -> policy updates over mini-batches (``kuberl.train.updates``; the trainer's loss is the
 algorithm's too) -> weight sync to the engines -> validation when due -> metrics, trackers, progress
 and, every ``intervalSteps``, a checkpoint. The algorithm is ``spec.algorithm.name`` looked up once
-in ``kuberl.train.algorithms.registry``, here and in ``TrainerConfig.from_spec``. Everything a resumed run needs is in the checkpoint
-(trainer state, step, weight version), so a resumed run continues exactly where it stopped.
+in ``kuberl.train.algorithms.registry``, here and in ``TrainerConfig.from_spec``. Everything a
+resumed run needs is in the checkpoint (trainer state, step, weight version), so a resumed run
+continues exactly where it stopped.
 """
 
 from __future__ import annotations

@@ -313,8 +313,9 @@ class TrainerWorker:
         dist.all_reduce(counts)
         global_tokens = counts[0]
         totals = UpdateTotals(tokens=global_tokens, sequences=counts[1], max_response_tokens=cfg.max_response_tokens)
-        # FSDP2 averages gradients over ranks; each rank's loss is its share of the global token
-        # sum, so scaling by world_size makes the averaged gradient that of the global token mean.
+        # FSDP2 averages gradients over ranks; each rank's loss is its share of the update's loss
+        # (divided by the global totals), so scaling by world_size makes the averaged gradient
+        # that of the whole update's loss.
         scale = float(self.world_size)
         sums = torch.zeros(len(METRIC_NAMES), dtype=torch.float32, device=self.device)
         for mb, index in zip(micro, indexes):

@@ -32,9 +32,9 @@ def fill_groups(first: Sequence[G], generate: Callable[[int, int], Sequence[G]],
                 want: int, max_rounds: int) -> Filled[G]:
     """``first``: the step's own groups. ``generate(round, count)`` makes ``count`` more (round
     1, 2, ...). Keeps the groups ``keep`` accepts, in generation order, until there are ``want``;
-    if ``max_rounds`` rounds leave the batch short, the gaps are filled with dropped groups (they
-    have zero advantage, so add no policy gradient) and the batch keeps its size, which the
-    mini-batch and rank splits depend on."""
+    if ``max_rounds`` rounds leave the batch short, the gaps are filled with dropped groups (all
+    their rewards are equal, so their advantages are zero or carry only reward shaping) and the
+    batch keeps its size, which the mini-batch and rank splits depend on."""
     kept: list[G] = []
     dropped: list[G] = []
     generated = 0
