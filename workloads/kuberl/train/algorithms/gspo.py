@@ -27,7 +27,9 @@ class GSPO(Algorithm):
         mask = mask.to(logprobs.dtype)
         if advantages.dim() == 1:
             advantages = advantages[:, None].expand_as(mask)
-        count = int(sequence_index.max().item()) + 1
+        # Sums per sequence; no micro-batch holds more sequences than positions, and that bound
+        # is known without reading the index back from the device.
+        count = sequence_index.numel()
         tokens = L.sequence_sums(mask, sequence_index, count)
         per_seq = tokens.clamp(min=1)
         log_ratio = L.sequence_sums((logprobs - old_logprobs) * mask, sequence_index, count) / per_seq
