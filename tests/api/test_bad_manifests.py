@@ -33,3 +33,10 @@ def test_every_algorithm_name_renders(name):
     if name == "dapo":
         manifest["spec"]["algorithm"].update(overlongBuffer=256, overlongPenalty=0.5, maxRefillRounds=2)
     assert "RayJob" in [o["kind"] for o in render_manifest(manifest)]
+
+
+def test_integer_clip_ratios_compare_with_the_algorithm_defaults():
+    """YAML ``clipRatioHigh: 1`` is an integer; the CEL rule compares it with a double default."""
+    manifest = minimal_manifest("algo-int-clip")
+    manifest["spec"]["algorithm"] = {"name": "gspo", "clipRatioHigh": 1}
+    assert "RayJob" in [o["kind"] for o in render_manifest(manifest)]
