@@ -40,3 +40,10 @@ def test_integer_clip_ratios_compare_with_the_algorithm_defaults():
     manifest = minimal_manifest("algo-int-clip")
     manifest["spec"]["algorithm"] = {"name": "gspo", "clipRatioHigh": 1}
     assert "RayJob" in [o["kind"] for o in render_manifest(manifest)]
+
+
+def test_async_rollout_renders_with_an_integer_top_p():
+    """``topP: 1`` in YAML is an integer; the asyncRollout rule compares it as a double."""
+    manifest = minimal_manifest("algo-async")
+    manifest["spec"]["algorithm"] = {"asyncRollout": True, "topP": 1}
+    assert "RayJob" in [o["kind"] for o in render_manifest(manifest)]

@@ -204,6 +204,10 @@ class AlgorithmSpec(APIModel):
              "self.promptsPerStep % self.miniBatchSize == 0)",
              "algorithm.miniBatchSize must divide algorithm.promptsPerStep (prompts per optimizer update)",
              ".miniBatchSize"),
+        rule("!self.asyncRollout || (double(self.topP) == 1.0 && self.topK == -1)",
+             "algorithm.asyncRollout measures the importance ratio against the engines' log-probs, which "
+             "with topP < 1 or topK are those of the truncated distribution the trainer does not compute; "
+             "leave topP: 1 and topK: -1, or set asyncRollout: false", ".asyncRollout"),
     ))
     name: AlgorithmName = Field("grpo", description="The RL algorithm (docs/algorithms.md): grpo "
                                 "(group-normalised advantages, token-mean loss), dr-grpo (no std or "
@@ -254,6 +258,11 @@ class AlgorithmSpec(APIModel):
                                           "that refill the step's batch after dynamic sampling dropped the "
                                           "groups whose rewards are all equal; still short after them, the "
                                           "step trains with dropped groups in the gaps. Default: 3.")
+    async_rollout: bool = Field(False, description="One-step asynchronous rollouts: the engines generate "
+                                "step n+1's rollout while the trainer trains on step n's, so each step "
+                                "trains on samples of the weights one step old (the staleness bound); the "
+                                "importance ratio is taken against the engines' log-probs. Needs topP 1, topK -1 and "
+                                "rollout.colocate: false (docs/algorithms.md).")
 
     def clip_range(self) -> tuple[float, float]:
         """(clipRatioLow, clipRatioHigh) with the algorithm's defaults for the unset ones."""
@@ -498,6 +507,9 @@ class RLTrainingJobSpec(APIModel):
         rule("self.weightSync.method != 'ipc' || self.rollout.colocate",
              "weightSync.method ipc needs rollout.colocate: true (CUDA IPC works only on the same GPUs)",
              ".weightSync.method"),
+        rule("!self.algorithm.asyncRollout || !self.rollout.colocate",
+             "algorithm.asyncRollout needs rollout.colocate: false (colocated engines sleep while the "
+             "trainer steps, so nothing can overlap); set one of them to false", ".algorithm.asyncRollout"),
         rule("!self.rollout.colocate || self.trainer.gpusPerReplica > 0",
              "rollout.colocate needs trainer.gpusPerReplica > 0", ".rollout.colocate"),
         rule("!self.rollout.colocate || self.rollout.tensorParallelSize < 1 || "
