@@ -6,9 +6,11 @@ prompt from the rollout engines -> rewards, shaped by the algorithm -> the group
 trainer -> policy updates over mini-batches (``kuberl.train.updates``; the trainer's loss is the
 algorithm's too) -> weight sync to the engines -> validation when due -> metrics, trackers, progress
 and, every ``intervalSteps``, a checkpoint. The algorithm is ``spec.algorithm.name`` looked up once
-in ``kuberl.train.algorithms.registry``, here and in ``TrainerConfig.from_spec``. Everything a
-resumed run needs is in the checkpoint (trainer state, step, weight version), so a resumed run
-continues exactly where it stopped.
+in ``kuberl.train.algorithms.registry``, here and in ``TrainerConfig.from_spec``. With
+``spec.algorithm.asyncRollout`` the next step's rollout is generated in a background thread
+while the trainer trains (``kuberl.train.schedule`` orders generation, training and weight sync).
+Everything a resumed run needs is in the checkpoint (trainer state, step, weight version, and the
+rollout generated but not yet trained on), so a resumed run continues exactly where it stopped.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import logging
 import random
 import signal
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -26,6 +29,7 @@ from kuberl import metrics as pod_metrics
 from kuberl.api.types import RLTrainingJob
 from kuberl.plan import RunPlan
 from kuberl.samples import Sample, TrainBatch
+from kuberl.train import schedule
 from kuberl.train.algorithms import registry
 from kuberl.train.algorithms.sampling import fill_groups
 from kuberl.train.checkpoint import CheckpointManager
@@ -53,6 +57,34 @@ class StepResult:
 
 # Which trainer method computes each log-prob an algorithm asks for (Algorithm.logprobs).
 LOGPROB_METHODS = {"old": "log_probs", "ref": "ref_log_probs"}
+
+# A step's rollout: its batch, its prompts' task rewards, the rollout's metrics (GRPODriver.rollout).
+Rollout = tuple[list[Sample], list[float], dict[str, float]]
+
+
+def rollout_state(rollout: Rollout) -> dict[str, Any]:
+    """A rollout as JSON for the checkpoint's driver state (floats round-trip exactly)."""
+    samples, task_rewards, metrics = rollout
+    return {"samples": [asdict(s) for s in samples], "task_rewards": task_rewards, "metrics": metrics}
+
+
+def rollout_from_state(state: dict[str, Any]) -> Rollout:
+    return [Sample(**s) for s in state["samples"]], state["task_rewards"], state["metrics"]
+
+
+def engine_logprobs(samples: Sequence[Sample]) -> list[list[float]]:
+    """The behaviour policy's log-probs as the engines returned them with the samples."""
+    missing = [i for i, s in enumerate(samples) if s.response_logprobs is None]
+    if missing:
+        raise ValueError(f"algorithm.asyncRollout: samples {missing[:8]} came without the engines' "
+                         f"log-probs, which the importance ratio needs")
+    return [list(s.response_logprobs) for s in samples]
+
+
+def _done(rollout: Rollout) -> Future:
+    future: Future = Future()
+    future.set_result(rollout)
+    return future
 
 
 def refill_seed(seed: int, step: int, round_: int) -> int:
@@ -112,6 +144,10 @@ class GRPODriver:
         self.metrics_file = metrics_file
         self.step = 0
         self.weight_version = 0
+        # Rollouts generated, or being generated, and not yet trained on, by step
+        # (kuberl.train.schedule: at most the current step's and, asynchronous, the next one's).
+        self._rollouts: dict[int, Future] = {}
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
 
     # --- one step ------------------------------------------------------------------------------
 
@@ -187,10 +223,45 @@ class GRPODriver:
         return samples, task_rewards, metrics
 
     def train_step(self, step: int) -> StepResult:
+        """Step ``step`` as ``kuberl.train.schedule.step_actions`` lays it out: its rollout (unless
+        generated already), with asyncRollout the next step's generated in the background beside
+        the updates, then the weight sync."""
         import torch
 
         started = time.perf_counter()
-        samples, task_rewards, rollout_metrics = self.rollout(step)
+        actions = schedule.step_actions(step, self.total_steps, one_step_async=self.spec.algorithm.async_rollout,
+                                        held=step in self._rollouts)
+        for action in actions:
+            if isinstance(action, schedule.Generate):
+                self._rollouts[action.step] = (self._background.submit(self.rollout, action.step) if action.overlap
+                                               else _done(self.rollout(action.step)))
+            elif isinstance(action, schedule.Train):
+                samples, task_rewards, rollout_metrics = self._rollouts.pop(action.step).result()
+                metrics = self._update(samples)
+                # How many updates the trainer is ahead of the weights that generated the oldest
+                # sample: 0 synchronous, at most 1 asynchronous.
+                staleness = self.weight_version - min(s.weight_version for s in samples)
+            elif isinstance(action, schedule.Wait):
+                self._rollouts[action.step].result()
+            else:
+                self.weight_version = action.version
+                sync = self.weight_sync.sync(action.version)
+        elapsed = time.perf_counter() - started
+        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        rewards = torch.tensor(task_rewards, dtype=torch.float64)
+        metrics.update(rollout_metrics)
+        metrics.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0,
+                       response_length=sum(len(s.response_ids) for s in samples) / len(samples),
+                       step_seconds=elapsed, tokens_per_second=tokens / elapsed,
+                       rollout_staleness=float(staleness),
+                       weight_sync_seconds=getattr(sync, "seconds", 0.0),
+                       weight_sync_bytes=getattr(sync, "bytes", 0))
+        return StepResult(step, metrics["reward_mean"], metrics, rewards.tolist())
+
+    def _update(self, samples: list[Sample]) -> dict[str, float]:
+        """Advantages, the log-probs the algorithm needs, and the policy updates on one rollout."""
+        import torch
+
         colocated = self.plan.topology.colocated
         if colocated:
             self.engines.sleep()  # the trainer ranks get the GPUs' memory while they step
@@ -199,25 +270,22 @@ class GRPODriver:
         for sample, advantage in zip(samples, advantages.tolist(), strict=True):
             sample.advantage = advantage
         batch = TrainBatch(samples)
-        # The behaviour policy's log-probs ("old"), before the first update: the ratio of every
-        # later update is measured against them (kuberl.train.updates).
         for name in self.algorithm.logprobs(self.spec.algorithm.kl_coef):
-            setattr(batch, f"{name}_logprobs", getattr(self.trainer, LOGPROB_METHODS[name])(batch))
+            setattr(batch, f"{name}_logprobs", self._logprobs(name, batch))
         metrics = policy_updates(self.trainer, batch, self.spec.algorithm)
         if colocated:
             self.engines.wake_up()
-        self.weight_version += 1
-        sync = self.weight_sync.sync(self.weight_version)
-        elapsed = time.perf_counter() - started
-        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        rewards = torch.tensor(task_rewards, dtype=torch.float64)
-        metrics.update(rollout_metrics)
-        metrics.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0,
-                       response_length=sum(len(s.response_ids) for s in samples) / len(samples),
-                       step_seconds=elapsed, tokens_per_second=tokens / elapsed,
-                       weight_sync_seconds=getattr(sync, "seconds", 0.0),
-                       weight_sync_bytes=getattr(sync, "bytes", 0))
-        return StepResult(step, metrics["reward_mean"], metrics, rewards.tolist())
+        return metrics
+
+    def _logprobs(self, name: str, batch: TrainBatch) -> list[list[float]]:
+        """The behaviour policy's ("old") log-probs, before the first update: the ratio of every
+        update is measured against them (kuberl.train.updates). Synchronous, the trainer
+        recomputes them with its own numerics: it still holds the weights that generated the
+        rollout. With asyncRollout it is a step ahead of those weights, so they are the engines'
+        (vLLM's, after temperature, as the tokens were drawn)."""
+        if name == "old" and self.spec.algorithm.async_rollout:
+            return engine_logprobs(batch.samples)
+        return getattr(self.trainer, LOGPROB_METHODS[name])(batch)
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -228,6 +296,8 @@ class GRPODriver:
             return
         self.step = state["step"]
         self.weight_version = state["weight_version"]
+        if "rollout" in state:  # generated by the weights before these (asyncRollout): not to regenerate
+            self._rollouts[self.step] = _done(rollout_from_state(state["rollout"]))
         # The engines still hold the initial weights: push the restored ones.
         self.weight_sync.sync(self.weight_version)
 
@@ -258,6 +328,7 @@ class GRPODriver:
                 if self.preemption.requested:
                     return EXIT_PREEMPTED, results
         finally:
+            self._background.shutdown(wait=False, cancel_futures=True)
             self.checkpoints.close()
             self.trackers.close()
         return EXIT_OK, results
@@ -276,7 +347,9 @@ class GRPODriver:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
 
     def save(self) -> None:
-        stall = self.checkpoints.save(self.step, {"weight_version": self.weight_version,
-                                                  "job": self.job.metadata.name})
+        state: dict[str, Any] = {"weight_version": self.weight_version, "job": self.job.metadata.name}
+        if self.step in self._rollouts:  # asyncRollout: the next step's, complete at a step boundary
+            state["rollout"] = rollout_state(self._rollouts[self.step].result())
+        stall = self.checkpoints.save(self.step, state)
         log.info("checkpoint step %d started: training stalled %.3f s; shards upload in the background",
                  self.step, stall)
