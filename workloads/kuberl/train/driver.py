@@ -238,8 +238,8 @@ class GRPODriver:
             elif isinstance(action, schedule.Train):
                 samples, task_rewards, rollout_metrics = self._rollouts.pop(action.step).result()
                 metrics = self._update(samples)
-                # How many updates the trainer is ahead of the weights that generated the oldest
-                # sample: 0 synchronous, at most 1 asynchronous.
+                # How many steps (weight versions) the trainer is ahead of the weights that
+                # generated the oldest sample: 0 synchronous, at most 1 asynchronous.
                 staleness = self.weight_version - min(s.weight_version for s in samples)
             elif isinstance(action, schedule.Wait):
                 self._rollouts[action.step].result()
