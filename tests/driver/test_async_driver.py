@@ -55,6 +55,7 @@ class Engines:
 class Trainer:
     def __init__(self, engines: Engines):
         self.engines = engines
+        self.driver: GRPODriver | None = None
         self.batches = []
         self.overlapped: list[bool] = []
 
@@ -62,7 +63,10 @@ class Trainer:
         raise AssertionError("asyncRollout: the behaviour log-probs are the engines', not recomputed")
 
     def train_step(self, batch):
-        saw = self.engines.generating.wait(timeout=2)
+        # A rollout submitted to the driver's background thread and not finished: its generation
+        # must be under way (or about to be) while this step trains.
+        background = any(not f.done() for f in self.driver._rollouts.values())
+        saw = background and self.engines.generating.wait(timeout=10)
         self.overlapped.append(saw)
         if saw:
             self.engines.generating.clear()
@@ -137,6 +141,7 @@ def _driver(tiny: Path, tmp_path: Path, checkpoints: Checkpoints, **algorithm) -
                         tokenizer=AutoTokenizer.from_pretrained(job.spec.model.uri), data_path=job.spec.data.uri,
                         checkpoints=checkpoints, reporter=StatusReporter())
     driver.reward_fn = rewards
+    driver.trainer.driver = driver
     return driver
 
 
