@@ -20,7 +20,7 @@ import pytest
 
 from kuberl import plan as plans
 from kuberl.samples import Sample
-from kuberl.train.driver import GRPODriver
+from kuberl.train.driver import EXIT_PREEMPTED, GRPODriver
 from kuberl.train.report import StatusReporter
 
 STEPS = 3
@@ -181,6 +181,16 @@ def test_a_resumed_run_trains_on_what_the_uninterrupted_run_did(tiny, tmp_path):
     resumed.run()
     assert resumed.engines.calls == [(seed(2), 1, True)]  # step 1's rollout is not generated again
     assert first.trainer.batches + resumed.trainer.batches == whole.trainer.batches
+
+
+def test_sigterm_checkpoints_the_held_rollout(tiny, tmp_path):
+    driver = _driver(tiny, tmp_path, Checkpoints())
+    driver.preemption.requested = True  # what SIGTERM sets
+    code, results = driver.run()
+    assert (code, len(results)) == (EXIT_PREEMPTED, 1)
+    held = driver.checkpoints.saved[1]["rollout"]
+    assert [s["weight_version"] for s in held["samples"]] == [0] * 4
+    assert held["task_rewards"] and set(held["metrics"]) >= {"groups_generated", "groups_dropped"}
 
 
 def test_without_the_held_rollout_a_resume_would_train_on_newer_weights(tiny, tmp_path):
