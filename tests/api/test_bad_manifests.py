@@ -40,3 +40,11 @@ def test_integer_clip_ratios_compare_with_the_algorithm_defaults():
     manifest = minimal_manifest("algo-int-clip")
     manifest["spec"]["algorithm"] = {"name": "gspo", "clipRatioHigh": 1}
     assert "RayJob" in [o["kind"] for o in render_manifest(manifest)]
+
+
+def test_an_agent_manifest_renders():
+    manifest = minimal_manifest("agent")
+    manifest["spec"]["agent"] = {"environment": "kuberl.agents.calculator:Calculator", "maxTurns": 2,
+                                 "maxTokensPerTurn": 12}
+    manifest["spec"]["algorithm"] = {"temperature": 1}  # an integer, as YAML writes it
+    assert "RayJob" in [o["kind"] for o in render_manifest(manifest)]

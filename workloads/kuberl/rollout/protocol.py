@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Body(BaseModel):
@@ -80,6 +80,14 @@ class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
     content: str | list[TextBlock] = Field(min_length=1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_reply(cls, value):
+        """An empty assistant reply (the model closed its turn at once) may be sent back as it came."""
+        if isinstance(value, dict) and value.get("role") == "assistant" and value.get("content") == "":
+            return {**value, "content": [{"type": "text", "text": ""}]}
+        return value
+
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
 
@@ -96,6 +104,9 @@ class MessagesRequest(_Body):
     stop_sequences: list[str] = Field(default_factory=list, max_length=16)
     temperature: float = Field(1.0, ge=0, le=1)
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)  # the API's top_k; -1 (absent) disables it
+    # kuberl's extension (the Anthropic API has none): a sampling seed, so rollouts repeat on resume.
+    seed: int | None = None
     metadata: AnthropicMetadata | None = None
     stream: bool = False
 

@@ -10,6 +10,15 @@
 Responses also carry the token ids (``prompt_token_ids``, per-choice ``token_ids``) and the
 ``weight_version`` that produced them, which the trainer needs and the text alone cannot give.
 
+Agent episodes: a request whose API key (Anthropic ``x-api-key``, OpenAI ``Authorization:
+Bearer``) is an episode key from the ``EpisodeLog`` is recorded as one turn of that episode
+(``kuberl.rollout.transitions``), with its log-probs. When its chat extends the previous turn's
+(that reply, then new messages), its prompt is the previous turn's ids plus the new messages'
+tokens (``kuberl.rollout.continuation``), not a re-tokenized chat; such a turn is bounded by the
+context (``maxPromptLength + maxResponseLength``), not by ``maxPromptLength``, and its
+``max_tokens`` is capped at the room left. Episode turns are routed to one engine, whose prefix
+cache holds the conversation.
+
 The hot path is kept thin, since every microsecond here is taken from the engines on small
 hosts: plain Starlette routes (no FastAPI dependency resolution per request), request bodies
 parsed and validated in one step by pydantic's Rust JSON parser, responses encoded by msgspec
@@ -33,6 +42,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kuberl.rollout.protocol import ChatCompletionRequest, CompletionRequest, MessagesRequest
+from kuberl.rollout.transitions import EpisodeLog, Transition
 
 SESSION_HEADER = "x-session-id"
 
@@ -107,7 +117,21 @@ def _finish_reason(sample) -> str:
     return sample.finish_reason or "stop"
 
 
-def make_app(pool) -> Starlette:
+def api_key(request: Request) -> str | None:
+    """The request's API key, as the Anthropic (``x-api-key``) or OpenAI (bearer token) SDKs send it."""
+    key = request.headers.get("x-api-key")
+    if key:
+        return key
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+NO_ROOM = "leave no room"  # in the 400 a full episode gets: environment loops end the episode on it
+
+
+def make_app(pool, episodes: EpisodeLog | None = None) -> Starlette:
+    """``episodes``: the record of agent episodes whose keys the driver hands out."""
+    episodes = episodes if episodes is not None else EpisodeLog()
     router = StickyRouter(len(pool.engines))
     rollout = pool.spec.rollout
     max_model_len = rollout.max_prompt_length + rollout.max_response_length
@@ -126,8 +150,39 @@ def make_app(pool) -> Starlette:
             raise APIError(400, f"{tokens_field}: {max_tokens} + {len(prompt_ids)} prompt tokens exceed the "
                                 f"context of {max_model_len} tokens", param=tokens_field)
 
-    def engine_for(request: Request, user: str | None):
-        return pool.engines[router.route(request.headers.get(SESSION_HEADER) or user)]
+    def engine_for(request: Request, user: str | None, key: str | None = None):
+        return pool.engines[router.route(request.headers.get(SESSION_HEADER) or user or key)]
+
+    async def episode_prompt(engine, key: str | None, chat: list[dict[str, str]]) -> tuple[list[int], bool]:
+        """The turn's prompt ids, and whether they continue the episode's previous turn."""
+        follows = episodes.continuation(key, chat) if key is not None else None
+        if follows is None:
+            return await engine.chat_prompt.remote(chat), False
+        context, new_messages = follows
+        try:
+            return context + await engine.continuation.remote(new_messages, context), True
+        except ValueError as err:  # the template cannot be continued token by token
+            raise APIError(400, f"messages: {str(err).splitlines()[-1]}", param="messages") from None
+
+    def turn_tokens(prompt_ids: list[int], max_tokens: int, continued: bool, prompt_field: str,
+                    tokens_field: str) -> int:
+        """``max_tokens`` checked against the limits (capped at the room left for a continued turn)."""
+        if not continued:
+            check_length(prompt_ids, max_tokens, prompt_field, tokens_field)
+            return max_tokens
+        room = max_model_len - len(prompt_ids)
+        if room < 1:
+            raise APIError(400, f"{prompt_field}: the episode's {len(prompt_ids)} tokens {NO_ROOM} in the "
+                                f"context of {max_model_len} tokens", param=prompt_field)
+        return min(max_tokens, room)
+
+    def record(key: str | None, chat: list[dict[str, str]], prompt_ids: list[int], sample) -> None:
+        if key is not None:
+            episodes.record(key, chat, Transition(
+                prompt_ids=prompt_ids, response_ids=list(sample.response_ids),
+                response_logprobs=sample.response_logprobs,
+                metadata={"weight_version": sample.weight_version, "finish_reason": sample.finish_reason}),
+                sample.response_text)
 
     async def run(engine, prompt_ids, **params):
         try:
@@ -163,13 +218,20 @@ def make_app(pool) -> Starlette:
     async def chat_completions(request: Request):
         req: ChatCompletionRequest = await _parse(ChatCompletionRequest, request)
         check_model(req.model)
-        engine = engine_for(request, req.user)
-        prompt_ids = await engine.chat_prompt.remote([{"role": m.role, "content": m.text()} for m in req.messages])
+        key = api_key(request)
+        key = key if episodes.recording(key) else None
+        if key is not None and req.n != 1:
+            raise APIError(400, "n: an episode key records one conversation; set n to 1", param="n")
+        engine = engine_for(request, req.user, key)
+        chat = [{"role": m.role, "content": m.text()} for m in req.messages]
+        prompt_ids, continued = await episode_prompt(engine, key, chat)
         max_tokens = req.max_completion_tokens or req.max_tokens or min(
             rollout.max_response_length, max(1, max_model_len - len(prompt_ids)))
-        check_length(prompt_ids, max_tokens, "messages", "max_tokens")
+        max_tokens = turn_tokens(prompt_ids, max_tokens, continued, "messages", "max_tokens")
         samples = await run(engine, prompt_ids, n=req.n, temperature=req.temperature, top_p=req.top_p,
-                            max_tokens=max_tokens, stop=req.stop, seed=req.seed, logprobs=req.logprobs)
+                            max_tokens=max_tokens, stop=req.stop, seed=req.seed,
+                            logprobs=req.logprobs or key is not None)
+        record(key, chat, prompt_ids, samples[0])
         choices = []
         for i, s in enumerate(samples):
             logprobs = None
@@ -207,11 +269,16 @@ def make_app(pool) -> Starlette:
     async def messages(request: Request):
         req: MessagesRequest = await _parse(MessagesRequest, request)
         check_model(req.model)
-        engine = engine_for(request, req.metadata.user_id if req.metadata else None)
-        prompt_ids = await engine.chat_prompt.remote(req.chat_messages())
-        check_length(prompt_ids, req.max_tokens, "messages", "max_tokens")
+        key = api_key(request)
+        key = key if episodes.recording(key) else None
+        engine = engine_for(request, req.metadata.user_id if req.metadata else None, key)
+        chat = req.chat_messages()
+        prompt_ids, continued = await episode_prompt(engine, key, chat)
+        max_tokens = turn_tokens(prompt_ids, req.max_tokens, continued, "messages", "max_tokens")
         (s,) = await run(engine, prompt_ids, n=1, temperature=req.temperature, top_p=req.top_p,
-                         max_tokens=req.max_tokens, stop=req.stop_sequences)
+                         top_k=req.top_k, max_tokens=max_tokens, stop=req.stop_sequences, seed=req.seed,
+                         logprobs=key is not None)
+        record(key, chat, prompt_ids, s)
         stop_sequence = s.metadata.get("stop_reason") if isinstance(s.metadata.get("stop_reason"), str) else None
         if s.finish_reason == "length":
             stop_reason = "max_tokens"

@@ -17,6 +17,8 @@ Robustness rules (each decision is recorded in ``Sample.metadata["repairs"]``):
 from __future__ import annotations
 
 import math
+import secrets
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -150,3 +152,61 @@ def transitions_to_samples(episodes: Sequence[Sequence], *, groups: Sequence[int
         else:
             samples.append(sample)
     return samples, skipped
+
+
+EPISODE_KEY_PREFIX = "kuberl-episode-"
+
+
+@dataclass
+class _Episode:
+    turns: list[Transition] = field(default_factory=list)
+    messages: list[dict[str, str]] = field(default_factory=list)  # the chat up to the last reply, included
+    context: list[int] = field(default_factory=list)  # the last turn's prompt and response ids
+
+
+class EpisodeLog:
+    """The endpoint's record of agent episodes, by the per-episode key the driver hands out.
+
+    A client (an environment loop, an agent harness) sends the key as its API key; every turn made
+    with it is recorded as a ``Transition`` (the ids the model saw and produced, their log-probs and
+    weight version). A turn whose chat extends the previous one (the reply as returned, then new
+    messages) continues from the previous turn's ids (``kuberl.rollout.continuation``), so the
+    recorded turns always chain into one training sample."""
+
+    def __init__(self) -> None:
+        self._episodes: dict[str, _Episode] = {}
+        self._lock = threading.Lock()
+
+    def open(self) -> str:
+        key = EPISODE_KEY_PREFIX + secrets.token_hex(16)
+        with self._lock:
+            self._episodes[key] = _Episode()
+        return key
+
+    def close(self, key: str) -> list[Transition]:
+        """The episode's turns, in order; the key is no longer recorded."""
+        with self._lock:
+            return self._episodes.pop(key).turns
+
+    def recording(self, key: str | None) -> bool:
+        with self._lock:
+            return key in self._episodes
+
+    def continuation(self, key: str, chat: list[dict[str, str]]) -> tuple[list[int], list[dict[str, str]]] | None:
+        """(the previous turn's prompt and response ids, the messages after its reply) when ``chat``
+        extends the episode's last exchange; None for a first turn or a chat that does not."""
+        with self._lock:
+            episode = self._episodes[key]
+        done = len(episode.messages)
+        if not done or len(chat) <= done or chat[:done] != episode.messages:
+            return None
+        return list(episode.context), chat[done:]
+
+    def record(self, key: str, chat: list[dict[str, str]], turn: Transition, reply: str) -> None:
+        with self._lock:
+            episode = self._episodes.get(key)
+            if episode is None:  # closed while the turn ran: the driver gave up on it
+                return
+            episode.turns.append(turn)
+            episode.messages = [*chat, {"role": "assistant", "content": reply}]
+            episode.context = turn.prompt_ids + turn.response_ids

@@ -1,0 +1,200 @@
+"""Agent episodes through the real rollout endpoint (Starlette + uvicorn on loopback, in process):
+what it records per episode key, and the environment loop that trains on it.
+
+The engine behind the endpoint is a scripted stand-in, not vLLM: these tests check the recorded
+token ids exactly, which needs replies known in advance (a random tiny model almost never calls
+the tool), including ones real engines produce and text cannot carry (an unused token id that
+decodes to nothing). Its tokenization is the real ``RolloutEngine``'s methods over the tiny
+model's real tokenizer. The endpoint over the real vLLM engine is tested in
+tests/rollout/test_http.py, and the whole loop in tests/driver/test_agent_e2e.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from kuberl.api import RLTrainingJobSpec
+from kuberl.rollout.engine import RolloutEngine
+from kuberl.rollout.server import BackgroundServer, make_app
+from kuberl.rollout.transitions import EpisodeLog, episode_to_sample
+from kuberl.samples import Sample
+from kuberl.train.data import Prompt
+
+MODEL = "kuberl-tiny"
+UNUSED_TOKEN = 120  # beyond the tiny vocabulary's characters: decodes to no text at all
+
+
+class _Method:
+    """``actor.method.remote(...)``: awaitable, as a Ray ObjectRef is."""
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def remote(self, *args, **kwargs):
+        async def call():
+            return self._fn(*args, **kwargs)
+        return call()
+
+
+class ScriptedEngine:
+    """Stands in for the ``RolloutEngine`` actor. It plays a policy that already solved the
+    calculator task: a first turn calls the tool (``=``, an unused token, then EOS); a later turn
+    answers the digit the tool printed, twice, without closing its turn."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: list[dict] = []
+        self.chat_prompt = _Method(lambda messages: RolloutEngine.chat_prompt(self, messages))
+        self.continuation = _Method(lambda new, context: RolloutEngine.continuation(self, new, context))
+        self.complete = _Method(self._complete)
+
+    def _complete(self, prompt_ids, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=16, stop=None,
+                  seed=None, logprobs=False):
+        self.requests.append({"prompt_ids": prompt_ids, "max_tokens": max_tokens, "seed": seed,
+                              "temperature": temperature})
+        tool = re.findall(r"calculator: (\d)", self.tokenizer.decode(prompt_ids))
+        if tool:
+            ids = self.tokenizer.encode(tool[-1] * 2, add_special_tokens=False)
+        else:
+            ids = self.tokenizer.encode("=", add_special_tokens=False) + [UNUSED_TOKEN, self.tokenizer.eos_token_id]
+        ids = ids[:max_tokens]
+        return [Sample(prompt_ids=list(prompt_ids), response_ids=ids,
+                       response_logprobs=[-0.25] * len(ids) if logprobs else None, weight_version=3,
+                       finish_reason="stop" if ids[-1] == self.tokenizer.eos_token_id else "length",
+                       response_text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                       metadata={"tokens": [self.tokenizer.decode([t]) for t in ids]})] * n
+
+
+def make_spec(max_response_length: int = 64) -> RLTrainingJobSpec:
+    return RLTrainingJobSpec.model_validate({
+        "image": "kuberl/worker:test", "model": {"uri": "/models/tiny"}, "data": {"uri": "/data/calc.jsonl"},
+        "rollout": {"gpusPerReplica": 0, "maxPromptLength": 48, "maxResponseLength": max_response_length},
+        "agent": {"environment": "kuberl.agents.calculator:Calculator", "maxTurns": 4, "maxTokensPerTurn": 12},
+        "algorithm": {"groupSize": 2, "temperature": 0.7},
+    })
+
+
+class Pool:
+    def __init__(self, spec, engine):
+        self.spec, self.engines, self.served_model_name = spec, [engine], MODEL
+
+
+@pytest.fixture
+def serve(tokenizer):
+    """Start the endpoint over a scripted engine for a spec; yields (base URL, log, engine)."""
+    servers = []
+
+    def start(spec):
+        engine, episodes = ScriptedEngine(tokenizer), EpisodeLog()
+        server = BackgroundServer(make_app(Pool(spec, engine), episodes), "127.0.0.1", 0)
+        server.start()
+        servers.append(server)
+        return server.url, episodes, engine
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def test_a_two_turn_anthropic_exchange_is_recorded_token_exactly(serve, tokenizer):
+    import anthropic
+
+    base_url, episodes, engine = serve(make_spec())
+    key = episodes.open()
+    client = anthropic.Anthropic(base_url=base_url, api_key=key, max_retries=0)
+    question = {"role": "user", "content": "1+2? Use the calculator (=)."}
+    first = client.messages.create(model=MODEL, max_tokens=12, messages=[question])
+    assert first.content[0].text == "=" and first.stop_reason == "end_turn"
+    second = client.messages.create(model=MODEL, max_tokens=12, messages=[
+        question, {"role": "assistant", "content": first.content[0].text},
+        {"role": "user", "content": "calculator: 3"}])
+    assert second.content[0].text == "33" and second.stop_reason == "max_tokens"
+
+    turns = episodes.close(key)
+    assert len(turns) == 2
+    call = first.model_extra["token_ids"]
+    assert call[1] == UNUSED_TOKEN  # in the ids, not in the text the client sent back
+    # Turn 2's prompt is turn 1's ids, then the tool message: never the re-tokenized text.
+    assert turns[1].prompt_ids[:len(turns[0].prompt_ids) + len(call)] == turns[0].prompt_ids + call
+    spliced = turns[1].prompt_ids[len(turns[0].prompt_ids) + len(call):]
+    assert tokenizer.decode(spliced) == "\n<|im_start|>user\ncalculator: 3<|im_end|>\n<|im_start|>assistant\n"
+    assert second.model_extra["prompt_token_ids"] == turns[1].prompt_ids
+    assert turns[1].response_logprobs == [-0.25, -0.25]  # recorded although the client asked for none
+    assert [t.metadata["weight_version"] for t in turns] == [3, 3]
+    sample = episode_to_sample(turns)
+    assert sample.loss_mask == [1] * len(call) + [0] * len(spliced) + [1, 1]
+
+
+def test_requests_without_an_episode_key_are_served_but_not_recorded(serve):
+    base_url, episodes, engine = serve(make_spec())
+    key = episodes.open()
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(f"{base_url}/v1/messages", json=body, headers={"x-api-key": "sk-other"}).status_code == 200
+    assert engine.requests[-1]["max_tokens"] == 4
+    assert episodes.close(key) == []
+
+
+def test_openai_bearer_keys_record_too_and_one_choice_per_turn(serve):
+    base_url, episodes, _ = serve(make_spec())
+    key = episodes.open()
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    ok = httpx.post(f"{base_url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"})
+    assert ok.status_code == 200
+    bad = httpx.post(f"{base_url}/v1/chat/completions", json={**body, "n": 2},
+                     headers={"authorization": f"Bearer {key}"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
+    assert len(episodes.close(key)) == 1
+
+
+def prompts() -> list[Prompt]:
+    from kuberl.tiny import calculator_rows
+
+    rows = calculator_rows(2, seed=1)
+    return [Prompt(row["prompt"], row["answer"], i, ({"role": "user", "content": row["prompt"]},),
+                   extra_info=row["extra_info"]) for i, row in enumerate(rows)]
+
+
+def test_calculator_episodes_through_the_endpoint_train_on_the_model_tokens_only(serve, tokenizer):
+    from kuberl.agents.episodes import AgentRollout
+
+    spec = make_spec()
+    base_url, episodes, engine = serve(spec)
+    rollout = AgentRollout(spec, base_url=base_url, model=MODEL, episodes=episodes)
+    try:
+        groups = rollout.generate(prompts(), group_size=2, seed=11)
+    finally:
+        rollout.close()
+    assert [[s.group for s in group] for group in groups] == [[0, 0], [1, 1]]
+    for prompt, group in zip(prompts(), groups):
+        for sample in group:
+            assert sample.reward == pytest.approx(1.0)  # called the tool, then answered its digit
+            assert sample.metadata["replies"] == 2 and not sample.metadata["truncated"]
+            trained = [t for t, m in zip(sample.response_ids, sample.loss_mask) if m]
+            untrained = [t for t, m in zip(sample.response_ids, sample.loss_mask) if not m]
+            assert tokenizer.decode(trained) == "=<|im_end|>" + prompt.answer * 2
+            assert UNUSED_TOKEN in trained
+            assert tokenizer.decode(untrained) == (f"\n<|im_start|>user\ncalculator: {prompt.answer}<|im_end|>\n"
+                                                   f"<|im_start|>assistant\n")
+            assert sample.weight_version == 3 and len(sample.response_logprobs) == len(sample.response_ids)
+    # Sampling as the spec says, a distinct seed per turn, the per-turn cap.
+    assert {r["temperature"] for r in engine.requests} == {0.7}
+    assert len({r["seed"] for r in engine.requests}) == len(engine.requests) == 8
+    assert {r["max_tokens"] for r in engine.requests} == {12}
+
+
+def test_an_episode_that_fills_the_context_ends_there(serve):
+    from kuberl.agents.episodes import AgentRollout
+
+    spec = make_spec(max_response_length=16)  # context 64: no room for the tool's reply
+    base_url, episodes, _ = serve(spec)
+    rollout = AgentRollout(spec, base_url=base_url, model=MODEL, episodes=episodes)
+    try:
+        (group,) = rollout.generate(prompts()[:1], group_size=2, seed=0)
+    finally:
+        rollout.close()
+    for sample in group:
+        assert sample.metadata == {**sample.metadata, "replies": 1, "truncated": True, "turns": 1}
+        assert sample.reward == 0.0 and sample.loss_mask == [1, 1, 1]
