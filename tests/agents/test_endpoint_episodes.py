@@ -17,9 +17,10 @@ import httpx
 import pytest
 
 from kuberl.api import RLTrainingJobSpec
+from kuberl.api.types import AgentHarnessSpec
 from kuberl.rollout.engine import RolloutEngine
 from kuberl.rollout.server import BackgroundServer, make_app
-from kuberl.rollout.transitions import EpisodeLog, episode_to_sample
+from kuberl.rollout.transitions import EpisodeLog, EpisodeSampling, episode_to_sample
 from kuberl.samples import Sample
 from kuberl.train.data import Prompt
 
@@ -54,7 +55,7 @@ class ScriptedEngine:
     def _complete(self, prompt_ids, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=16, stop=None,
                   seed=None, logprobs=False):
         self.requests.append({"prompt_ids": prompt_ids, "max_tokens": max_tokens, "seed": seed,
-                              "temperature": temperature})
+                              "temperature": temperature, "top_k": top_k})
         tool = re.findall(r"calculator: (\d)", self.tokenizer.decode(prompt_ids))
         if tool:
             ids = self.tokenizer.encode(tool[-1] * 2, add_special_tokens=False)
@@ -103,15 +104,18 @@ def test_a_two_turn_anthropic_exchange_is_recorded_token_exactly(serve, tokenize
     import anthropic
 
     base_url, episodes, engine = serve(make_spec())
-    key = episodes.open()
+    key = episodes.open(EpisodeSampling(temperature=0.5, top_k=5, max_tokens=12, seed=100))
     client = anthropic.Anthropic(base_url=base_url, api_key=key, max_retries=0)
     question = {"role": "user", "content": "1+2? Use the calculator (=)."}
-    first = client.messages.create(model=MODEL, max_tokens=12, messages=[question])
+    first = client.messages.create(model=MODEL, max_tokens=40, messages=[question], extra_body={"temperature": 0.9})
     assert first.content[0].text == "=" and first.stop_reason == "end_turn"
-    second = client.messages.create(model=MODEL, max_tokens=12, messages=[
+    second = client.messages.create(model=MODEL, max_tokens=40, messages=[
         question, {"role": "assistant", "content": first.content[0].text},
         {"role": "user", "content": "calculator: 3"}])
     assert second.content[0].text == "33" and second.stop_reason == "max_tokens"
+    # The episode's sampling, not the client's: a seed per turn, max_tokens capped.
+    assert [(r["temperature"], r["top_k"], r["seed"], r["max_tokens"]) for r in engine.requests] == [
+        (0.5, 5, 100, 12), (0.5, 5, 101, 12)]
 
     turns = episodes.close(key)
     assert len(turns) == 2
@@ -130,10 +134,10 @@ def test_a_two_turn_anthropic_exchange_is_recorded_token_exactly(serve, tokenize
 
 def test_requests_without_an_episode_key_are_served_but_not_recorded(serve):
     base_url, episodes, engine = serve(make_spec())
-    key = episodes.open()
-    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    key = episodes.open(EpisodeSampling(temperature=0.5))
+    body = {"model": MODEL, "max_tokens": 4, "temperature": 0.25, "messages": [{"role": "user", "content": "hi"}]}
     assert httpx.post(f"{base_url}/v1/messages", json=body, headers={"x-api-key": "sk-other"}).status_code == 200
-    assert engine.requests[-1]["max_tokens"] == 4
+    assert (engine.requests[-1]["max_tokens"], engine.requests[-1]["temperature"]) == (4, 0.25)
     assert episodes.close(key) == []
 
 
@@ -183,6 +187,47 @@ def test_calculator_episodes_through_the_endpoint_train_on_the_model_tokens_only
     assert {r["temperature"] for r in engine.requests} == {0.7}
     assert len({r["seed"] for r in engine.requests}) == len(engine.requests) == 8
     assert {r["max_tokens"] for r in engine.requests} == {12}
+
+
+def test_the_calculator_harness_plays_episodes_with_the_anthropic_sdk(serve, tokenizer):
+    """``spec.agent.harness``: a program of its own per episode (``python -m kuberl.agents.calculator``)."""
+    import sys
+
+    from kuberl.agents.episodes import AgentRollout
+
+    spec = make_spec().model_copy(deep=True)
+    spec.agent.environment = None
+    spec.agent.harness = AgentHarnessSpec(command=[sys.executable, "-m", "kuberl.agents.calculator"])
+    base_url, episodes, engine = serve(spec)
+    rollout = AgentRollout(spec, base_url=base_url, model=MODEL, episodes=episodes)
+    try:
+        (group,) = rollout.generate(prompts()[:1], group_size=2, seed=5)
+    finally:
+        rollout.close()
+    for sample in group:
+        assert sample.reward == pytest.approx(1.0) and sample.metadata["turns"] == 2
+        untrained = [t for t, m in zip(sample.response_ids, sample.loss_mask) if not m]
+        assert "calculator: " in tokenizer.decode(untrained)
+    assert {r["temperature"] for r in engine.requests} == {0.7}
+
+
+def test_a_harness_that_fails_or_prints_no_reward_names_the_field(serve):
+    import sys
+
+    from kuberl.agents.environment import AgentError
+    from kuberl.agents.episodes import AgentRollout
+
+    base_url, episodes, _ = serve(make_spec())
+    for command, message in [(["no-such-agent-program"], "spec.agent.harness.command: 'no-such-agent-program'"),
+                             ([sys.executable, "-c", "import sys; sys.exit('boom')"], "exited 1; its stderr ends:\nboom"),
+                             ([sys.executable, "-c", "print('done')"], 'must print {"reward": <number>}')]:
+        spec = make_spec().model_copy(deep=True)
+        spec.agent.environment = None
+        spec.agent.harness = AgentHarnessSpec(command=command)
+        rollout = AgentRollout(spec, base_url=base_url, model=MODEL, episodes=episodes)
+        with pytest.raises(AgentError, match=re.escape(message)):
+            rollout.episode(prompts()[0], 0, 0, seed=0)
+        rollout.close()
 
 
 def test_an_episode_that_fills_the_context_ends_there(serve):

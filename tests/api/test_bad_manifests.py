@@ -46,5 +46,6 @@ def test_an_agent_manifest_renders():
     manifest = minimal_manifest("agent")
     manifest["spec"]["agent"] = {"environment": "kuberl.agents.calculator:Calculator", "maxTurns": 2,
                                  "maxTokensPerTurn": 12}
-    manifest["spec"]["algorithm"] = {"temperature": 1}  # an integer, as YAML writes it
+    assert "RayJob" in [o["kind"] for o in render_manifest(manifest)]
+    manifest["spec"]["agent"] = {"harness": {"command": ["python", "-m", "kuberl.agents.calculator"]}}
     assert "RayJob" in [o["kind"] for o in render_manifest(manifest)]

@@ -10,12 +10,18 @@ a random-weight character model can take on a CPU: first calling the tool, then 
 
 The tool-call syntax is a single character because the tiny model writes characters at random;
 an environment for a real model parses real tool calls (JSON, XML tags) from ``action`` the same way.
+
+The same task is also a harness (``spec.agent.harness``), ``python -m kuberl.agents.calculator``:
+an agent program that drives ``Calculator`` with the Anthropic SDK, as any external agent would.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import operator
+import os
+import sys
 
 from kuberl.agents.environment import Step, Task
 
@@ -55,3 +61,40 @@ class Calculator:
         letters = action.strip()
         share = sum(c == self.answer for c in letters) / len(letters) if letters else 0.0
         return Step(reward=CALL_BONUS + (1 - CALL_BONUS) * share if self.called else 0.0, done=True)
+
+
+def main() -> int:
+    """The harness: the task on stdin, the endpoint and the episode key in the environment
+    (``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``, which the SDK reads), the reward on stdout."""
+    import anthropic
+
+    from kuberl.rollout.server import NO_ROOM
+
+    task = json.load(sys.stdin)
+    env = Calculator()
+    chat = env.reset(Task(tuple(task["messages"]), task["answer"], task["data_source"], task["extra_info"],
+                          seed=task["seed"]))
+    system = "\n\n".join(m["content"] for m in chat if m["role"] == "system")
+    messages = [m for m in chat if m["role"] != "system"]
+    client = anthropic.Anthropic(max_retries=0)
+    reward = 0.0
+    while True:
+        try:
+            reply = client.messages.create(model=os.environ["KUBERL_MODEL"], max_tokens=task["max_tokens"],
+                                           messages=messages, **({"system": system} if system else {}))
+        except anthropic.BadRequestError as err:
+            if NO_ROOM in str(err):  # the episode filled the context
+                break
+            raise
+        text = "".join(block.text for block in reply.content if block.type == "text")
+        step = env.step(text)
+        reward += step.reward
+        if step.done:
+            break
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": step.observation}]
+    print(json.dumps({"reward": reward}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -105,8 +105,6 @@ class MessagesRequest(_Body):
     temperature: float = Field(1.0, ge=0, le=1)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)  # the API's top_k; -1 (absent) disables it
-    # kuberl's extension (the Anthropic API has none): a sampling seed, so rollouts repeat on resume.
-    seed: int | None = None
     metadata: AnthropicMetadata | None = None
     stream: bool = False
 

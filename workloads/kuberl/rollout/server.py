@@ -12,12 +12,14 @@ Responses also carry the token ids (``prompt_token_ids``, per-choice ``token_ids
 
 Agent episodes: a request whose API key (Anthropic ``x-api-key``, OpenAI ``Authorization:
 Bearer``) is an episode key from the ``EpisodeLog`` is recorded as one turn of that episode
-(``kuberl.rollout.transitions``), with its log-probs. When its chat extends the previous turn's
-(that reply, then new messages), its prompt is the previous turn's ids plus the new messages'
-tokens (``kuberl.rollout.continuation``), not a re-tokenized chat; such a turn is bounded by the
-context (``maxPromptLength + maxResponseLength``), not by ``maxPromptLength``, and its
-``max_tokens`` is capped at the room left. Episode turns are routed to one engine, whose prefix
-cache holds the conversation.
+(``kuberl.rollout.transitions``), with its log-probs. It samples as the episode says (the run's
+temperature, top-p, top-k and stop strings, a seed per turn, ``max_tokens`` capped), whatever
+the request's own fields: the driver, not the agent, decides how the policy samples. When its
+chat extends the previous turn's (that reply, then new messages), its prompt is the previous
+turn's ids plus the new messages' tokens (``kuberl.rollout.continuation``), not a re-tokenized
+chat; such a turn is bounded by the context (``maxPromptLength + maxResponseLength``), not by
+``maxPromptLength``, and its ``max_tokens`` is capped at the room left. Episode turns are routed
+to one engine, whose prefix cache holds the conversation.
 
 The hot path is kept thin, since every microsecond here is taken from the engines on small
 hosts: plain Starlette routes (no FastAPI dependency resolution per request), request bodies
@@ -176,6 +178,20 @@ def make_app(pool, episodes: EpisodeLog | None = None) -> Starlette:
                                 f"context of {max_model_len} tokens", param=prompt_field)
         return min(max_tokens, room)
 
+    def episode_params(key: str | None, params: dict) -> dict:
+        """The engine's sampling parameters: the request's, or for an episode turn the episode's."""
+        episode = episodes.sampling(key)
+        if episode is None:
+            return params
+        sampling, turn = episode
+        return dict(params, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                    stop=list(sampling.stop), seed=sampling.turn_seed(turn), logprobs=True,
+                    max_tokens=min(params["max_tokens"], sampling.max_tokens or params["max_tokens"]))
+
+    def episode_key(request: Request) -> str | None:
+        key = api_key(request)
+        return key if episodes.sampling(key) is not None else None
+
     def record(key: str | None, chat: list[dict[str, str]], prompt_ids: list[int], sample) -> None:
         if key is not None:
             episodes.record(key, chat, Transition(
@@ -218,8 +234,7 @@ def make_app(pool, episodes: EpisodeLog | None = None) -> Starlette:
     async def chat_completions(request: Request):
         req: ChatCompletionRequest = await _parse(ChatCompletionRequest, request)
         check_model(req.model)
-        key = api_key(request)
-        key = key if episodes.recording(key) else None
+        key = episode_key(request)
         if key is not None and req.n != 1:
             raise APIError(400, "n: an episode key records one conversation; set n to 1", param="n")
         engine = engine_for(request, req.user, key)
@@ -227,10 +242,10 @@ def make_app(pool, episodes: EpisodeLog | None = None) -> Starlette:
         prompt_ids, continued = await episode_prompt(engine, key, chat)
         max_tokens = req.max_completion_tokens or req.max_tokens or min(
             rollout.max_response_length, max(1, max_model_len - len(prompt_ids)))
-        max_tokens = turn_tokens(prompt_ids, max_tokens, continued, "messages", "max_tokens")
-        samples = await run(engine, prompt_ids, n=req.n, temperature=req.temperature, top_p=req.top_p,
-                            max_tokens=max_tokens, stop=req.stop, seed=req.seed,
-                            logprobs=req.logprobs or key is not None)
+        params = episode_params(key, dict(temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens,
+                                          stop=req.stop, seed=req.seed, logprobs=req.logprobs))
+        params["max_tokens"] = turn_tokens(prompt_ids, params["max_tokens"], continued, "messages", "max_tokens")
+        samples = await run(engine, prompt_ids, n=req.n, **params)
         record(key, chat, prompt_ids, samples[0])
         choices = []
         for i, s in enumerate(samples):
@@ -269,15 +284,14 @@ def make_app(pool, episodes: EpisodeLog | None = None) -> Starlette:
     async def messages(request: Request):
         req: MessagesRequest = await _parse(MessagesRequest, request)
         check_model(req.model)
-        key = api_key(request)
-        key = key if episodes.recording(key) else None
+        key = episode_key(request)
         engine = engine_for(request, req.metadata.user_id if req.metadata else None, key)
         chat = req.chat_messages()
         prompt_ids, continued = await episode_prompt(engine, key, chat)
-        max_tokens = turn_tokens(prompt_ids, req.max_tokens, continued, "messages", "max_tokens")
-        (s,) = await run(engine, prompt_ids, n=1, temperature=req.temperature, top_p=req.top_p,
-                         top_k=req.top_k, max_tokens=max_tokens, stop=req.stop_sequences, seed=req.seed,
-                         logprobs=key is not None)
+        params = episode_params(key, dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                          max_tokens=req.max_tokens, stop=req.stop_sequences, logprobs=False))
+        params["max_tokens"] = turn_tokens(prompt_ids, params["max_tokens"], continued, "messages", "max_tokens")
+        (s,) = await run(engine, prompt_ids, n=1, **params)
         record(key, chat, prompt_ids, s)
         stop_sequence = s.metadata.get("stop_reason") if isinstance(s.metadata.get("stop_reason"), str) else None
         if s.finish_reason == "length":
