@@ -56,7 +56,8 @@ class ScriptedEngine:
                   seed=None, logprobs=False):
         self.requests.append({"prompt_ids": prompt_ids, "max_tokens": max_tokens, "seed": seed,
                               "temperature": temperature, "top_k": top_k})
-        tool = re.findall(r"calculator: (\d)", self.tokenizer.decode(prompt_ids))
+        # \s*: a tokenizer loaded from disk decodes the tiny vocabulary without its whitespace.
+        tool = re.findall(r"calculator:\s*(\d)", self.tokenizer.decode(prompt_ids))
         if tool:
             ids = self.tokenizer.encode(tool[-1] * 2, add_special_tokens=False)
         else:

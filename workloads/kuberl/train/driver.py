@@ -205,6 +205,11 @@ class GRPODriver:
         metrics = {"groups_dropped": float(filled.dropped), "groups_padded": float(filled.padded),
                    "refill_rounds": float(filled.rounds), "groups_generated": float(filled.generated),
                    "reward_shaping": sum(s.reward - s.metadata["task_reward"] for s in samples) / len(samples)}
+        if self.agent is not None:  # the batch's model tokens (trained) and tool/environment tokens (not)
+            model_tokens = sum(sum(s.loss_mask) for s in samples)
+            metrics.update(agent_model_tokens=float(model_tokens),
+                           agent_tool_tokens=float(sum(len(s.response_ids) for s in samples) - model_tokens),
+                           agent_turns=sum(s.metadata["turns"] for s in samples) / len(samples))
         return samples, task_rewards, metrics
 
     def train_step(self, step: int) -> StepResult:
