@@ -40,6 +40,11 @@ def test_the_calculator_gives_nothing_without_a_tool_call_and_partial_credit_wit
     assert env.step("").reward == pytest.approx(0.2)
 
 
+def test_the_calculator_names_the_data_field_it_needs():
+    with pytest.raises(AgentError, match=r"extra_info \(spec.data.extraInfoField\) has no 'expression'"):
+        Calculator().reset(Task(({"role": "user", "content": "q"},), "3"))
+
+
 def test_the_calculator_never_evaluates_anything_but_arithmetic():
     assert evaluate("2+3*4-1") == 13
     for bad in ("__import__('os')", "2**99999", "1/0", "x+1", "1.5+1"):

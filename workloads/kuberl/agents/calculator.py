@@ -23,7 +23,7 @@ import operator
 import os
 import sys
 
-from kuberl.agents.environment import Step, Task
+from kuberl.agents.environment import AgentError, Step, Task
 
 CALL = "="
 CALL_BONUS = 0.2
@@ -45,6 +45,9 @@ def evaluate(expression: str) -> int:
 
 class Calculator:
     def reset(self, task: Task) -> list[dict[str, str]]:
+        if "expression" not in task.extra_info:
+            raise AgentError("Calculator: the data row's extra_info (spec.data.extraInfoField) has no "
+                             "'expression'; use the rows python -m kuberl.tiny writes (data/calculator.jsonl)")
         self.expression = task.extra_info["expression"]
         self.answer = str(task.answer)
         self.called = False

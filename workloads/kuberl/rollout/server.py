@@ -125,7 +125,9 @@ def api_key(request: Request) -> str | None:
     if key:
         return key
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip() or None if scheme.lower() == "bearer" else None
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip() or None
 
 
 NO_ROOM = "leave no room"  # in the 400 a full episode gets: environment loops end the episode on it
