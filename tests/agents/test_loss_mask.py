@@ -3,6 +3,8 @@ trainer's grids and policy loss leave the tool's tokens out; checked on concrete
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -59,17 +61,28 @@ def test_a_reply_cut_at_max_tokens_gets_its_closing_as_untrained_tokens(tokenize
     assert sample.loss_mask == [1, 1] + [0] * len(tool) + [1]
 
 
-def test_a_template_that_rewrites_earlier_turns_cannot_continue():
-    class Rewriting:
-        eos_token_id = 0
+# Qwen3's shape: the reply being generated opens with an empty reasoning block, which the
+# template leaves out of earlier replies in the history.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}"
+)
 
-        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
-            # Like templates that drop an earlier reply's reasoning once a later turn exists.
-            last = len(messages) - 1
-            return "".join(m["content"] if i == last else "#" for i, m in enumerate(messages))
 
+def test_a_template_that_rewrites_earlier_replies_still_continues_from_the_ids(tokenizer):
+    thinking = copy.deepcopy(tokenizer)
+    thinking.chat_template = THINKING_TEMPLATE
+    tool = continuation_ids(thinking, [{"role": "user", "content": "x"}], [7, tokenizer.eos_token_id])
+    assert thinking.decode(tool) == "\n<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def test_a_template_that_moves_earlier_replies_cannot_continue(tokenizer):
+    moving = copy.deepcopy(tokenizer)
+    # Replies rendered before the question: nothing follows the generation prompt's position.
+    moving.chat_template = ("{% for m in messages|reverse %}{{ m['content'] }}|{% endfor %}"
+                            "{% if add_generation_prompt %}>{% endif %}")
     with pytest.raises(ContinuationError, match="cannot continue token by token"):
-        continuation_ids(Rewriting(), [{"role": "user", "content": "x"}], [1])
+        continuation_ids(moving, [{"role": "user", "content": "x"}], [1])
 
 
 def test_the_trainer_grids_and_loss_exclude_the_tool_tokens(episode):
