@@ -132,13 +132,15 @@ class AgentRollout:
             body["system"] = "\n\n".join(system)
         response = self.client.post("/v1/messages", json=body,
                                     headers={"x-api-key": key, "anthropic-version": ANTHROPIC_VERSION})
-        payload = response.json()
-        if response.status_code == 400 and NO_ROOM in payload["error"]["message"]:
-            return None
         if response.status_code != 200:
-            raise AgentError(f"{where}: the rollout endpoint answered {response.status_code}: "
-                             f"{payload.get('error', {}).get('message', payload)}")
-        return "".join(block["text"] for block in payload["content"] if block["type"] == "text")
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):  # not the API's error shape (a crashed handler)
+                message = response.text[:2000]
+            if response.status_code == 400 and NO_ROOM in message:
+                return None
+            raise AgentError(f"{where}: the rollout endpoint answered {response.status_code}: {message}")
+        return "".join(block["text"] for block in response.json()["content"] if block["type"] == "text")
 
     # --- the harness form --------------------------------------------------------------------
 

@@ -556,6 +556,10 @@ class RLTrainingJobSpec(APIModel):
              "self.checkpoint.resume != self.checkpoint.uri",
              "checkpoint.resume names the checkpoint root itself; use auto to resume from the newest "
              "checkpoint under checkpoint.uri", ".checkpoint.resume"),
+        rule("!has(self.agent) || !has(self.agent.maxTokensPerTurn) || "
+             "self.agent.maxTokensPerTurn <= self.rollout.maxResponseLength",
+             "agent.maxTokensPerTurn must be at most rollout.maxResponseLength (a first turn's prompt may "
+             "take all of maxPromptLength)", ".agent.maxTokensPerTurn"),
         rule("!has(self.agent) || !has(self.validation)",
              "agent: validation runs single-turn prompts and does not run agent episodes yet; remove "
              "spec.validation", ".validation"),
