@@ -31,26 +31,28 @@ class ContinuationError(ValueError):
     """The chat template cannot be continued token by token."""
 
 
-def _after_reply(tokenizer: Any, new_messages: Sequence[dict[str, str]]) -> str:
+def _after_reply(tokenizer: Any, new_messages: Sequence[dict], tools: list[dict] | None) -> str:
     """The text the template puts after an assistant reply when ``new_messages`` follow it."""
     question = [{"role": "user", "content": _USER}]
     answered = [*question, {"role": "assistant", "content": _REPLY}]
-    full = tokenizer.apply_chat_template([*answered, *new_messages], tokenize=False, add_generation_prompt=True)
-    asked = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template([*answered, *new_messages], tools=tools, tokenize=False,
+                                         add_generation_prompt=True)
+    asked = tokenizer.apply_chat_template(question, tools=tools, tokenize=False, add_generation_prompt=True)
     if full.startswith(asked + _REPLY):
         return full[len(asked) + len(_REPLY):]
-    closed = tokenizer.apply_chat_template(answered, tokenize=False)
+    closed = tokenizer.apply_chat_template(answered, tools=tools, tokenize=False)
     if full.startswith(closed) and _REPLY in closed:
         return closed[closed.rindex(_REPLY) + len(_REPLY):] + full[len(closed):]
     raise ContinuationError("the model's chat template renders an earlier assistant reply differently once "
                             "more messages follow, so an episode cannot continue token by token")
 
 
-def continuation_ids(tokenizer: Any, new_messages: Sequence[dict[str, str]], context: Sequence[int]) -> list[int]:
+def continuation_ids(tokenizer: Any, new_messages: Sequence[dict], context: Sequence[int],
+                     tools: list[dict] | None = None) -> list[int]:
     """Tokens that follow ``context`` (a turn's prompt and response ids) when ``new_messages``
     come after its reply, ending with the template's generation prompt (the next assistant turn's
-    header)."""
-    ids = list(tokenizer.encode(_after_reply(tokenizer, new_messages), add_special_tokens=False))
+    header). ``tools``: the request's tool schemas, as the template takes them."""
+    ids = list(tokenizer.encode(_after_reply(tokenizer, new_messages, tools), add_special_tokens=False))
     if context and ids and ids[0] == context[-1] and not tokenizer.decode(ids[:1], skip_special_tokens=True):
         ids = ids[1:]  # the model closed its turn itself
     return ids

@@ -173,16 +173,16 @@ class RolloutEngine:
         return list(await asyncio.gather(*(one(seq) for seq in sequences)))
 
     # --- tokenization for the HTTP endpoint -------------------------------------------------
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                       return_dict=False))
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=True,
+                                                       add_generation_prompt=True, return_dict=False))
 
-    def continuation(self, new_messages: list[dict[str, str]], context: list[int]) -> list[int]:
+    def continuation(self, new_messages: list[dict], context: list[int], tools: list[dict] | None = None) -> list[int]:
         """The tokens after ``context`` (an episode's last prompt and response) that add
         ``new_messages`` and open the next assistant turn (``kuberl.rollout.continuation``)."""
         from kuberl.rollout.continuation import continuation_ids
 
-        return continuation_ids(self.tokenizer, new_messages, context)
+        return continuation_ids(self.tokenizer, new_messages, context, tools)
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True))

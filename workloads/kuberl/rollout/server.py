@@ -1,7 +1,7 @@
 """OpenAI- and Anthropic-compatible HTTP endpoint over the engine pool, for agent rollouts.
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (OpenAI), ``POST /v1/messages``
-  (Anthropic: content blocks, system prompt, stop reasons, usage), ``GET /v1/models``;
+  (Anthropic: content blocks, tool use, system prompt, stop reasons, usage), ``GET /v1/models``;
 - sticky routing: requests of one session (header ``x-session-id``, else the OpenAI ``user`` or
   Anthropic ``metadata.user_id`` field) go to the same engine, so its prefix cache holds the
   conversation so far;
@@ -43,7 +43,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kuberl.rollout.protocol import ChatCompletionRequest, CompletionRequest, MessagesRequest
+from kuberl.rollout.protocol import (ChatCompletionRequest, CompletionRequest, MessagesRequest, ToolUseBlock,
+                                     assistant_message, reply_blocks)
 from kuberl.rollout.transitions import EpisodeLog, Transition
 
 SESSION_HEADER = "x-session-id"
@@ -157,14 +158,15 @@ def make_app(pool, episodes: EpisodeLog | None = None) -> Starlette:
     def engine_for(request: Request, user: str | None, key: str | None = None):
         return pool.engines[router.route(request.headers.get(SESSION_HEADER) or user or key)]
 
-    async def episode_prompt(engine, key: str | None, chat: list[dict[str, str]]) -> tuple[list[int], bool]:
+    async def episode_prompt(engine, key: str | None, chat: list[dict],
+                             tools: list[dict] | None = None) -> tuple[list[int], bool]:
         """The turn's prompt ids, and whether they continue the episode's previous turn."""
         follows = episodes.continuation(key, chat) if key is not None else None
         if follows is None:
-            return await engine.chat_prompt.remote(chat), False
+            return await engine.chat_prompt.remote(chat, tools), False
         context, new_messages = follows
         try:
-            return context + await engine.continuation.remote(new_messages, context), True
+            return context + await engine.continuation.remote(new_messages, context, tools), True
         except ValueError as err:  # the template cannot be continued token by token
             raise APIError(400, f"messages: {str(err).splitlines()[-1]}", param="messages") from None
 
@@ -194,13 +196,13 @@ def make_app(pool, episodes: EpisodeLog | None = None) -> Starlette:
         key = api_key(request)
         return key if episodes.sampling(key) is not None else None
 
-    def record(key: str | None, chat: list[dict[str, str]], prompt_ids: list[int], sample) -> None:
+    def record(key: str | None, chat: list[dict], prompt_ids: list[int], sample, reply: dict) -> None:
         if key is not None:
             episodes.record(key, chat, Transition(
                 prompt_ids=prompt_ids, response_ids=list(sample.response_ids),
                 response_logprobs=sample.response_logprobs,
                 metadata={"weight_version": sample.weight_version, "finish_reason": sample.finish_reason}),
-                sample.response_text)
+                reply)
 
     async def run(engine, prompt_ids, **params):
         try:
@@ -248,7 +250,7 @@ def make_app(pool, episodes: EpisodeLog | None = None) -> Starlette:
                                           stop=req.stop, seed=req.seed, logprobs=req.logprobs))
         params["max_tokens"] = turn_tokens(prompt_ids, params["max_tokens"], continued, "messages", "max_tokens")
         samples = await run(engine, prompt_ids, n=req.n, **params)
-        record(key, chat, prompt_ids, samples[0])
+        record(key, chat, prompt_ids, samples[0], {"role": "assistant", "content": samples[0].response_text})
         choices = []
         for i, s in enumerate(samples):
             logprobs = None
@@ -289,21 +291,24 @@ def make_app(pool, episodes: EpisodeLog | None = None) -> Starlette:
         key = episode_key(request)
         engine = engine_for(request, req.metadata.user_id if req.metadata else None, key)
         chat = req.chat_messages()
-        prompt_ids, continued = await episode_prompt(engine, key, chat)
+        prompt_ids, continued = await episode_prompt(engine, key, chat, req.template_tools())
         params = episode_params(key, dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                           max_tokens=req.max_tokens, stop=req.stop_sequences, logprobs=False))
         params["max_tokens"] = turn_tokens(prompt_ids, params["max_tokens"], continued, "messages", "max_tokens")
         (s,) = await run(engine, prompt_ids, n=1, **params)
-        record(key, chat, prompt_ids, s)
+        blocks = reply_blocks(s.response_text, req.tools)
+        record(key, chat, prompt_ids, s, assistant_message(blocks))
         stop_sequence = s.metadata.get("stop_reason") if isinstance(s.metadata.get("stop_reason"), str) else None
-        if s.finish_reason == "length":
+        if any(isinstance(b, ToolUseBlock) for b in blocks):
+            stop_reason = "tool_use"
+        elif s.finish_reason == "length":
             stop_reason = "max_tokens"
         elif stop_sequence is not None:
             stop_reason = "stop_sequence"
         else:
             stop_reason = "end_turn"
         return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": served,
-                "content": [{"type": "text", "text": s.response_text}], "stop_reason": stop_reason,
+                "content": [b.model_dump() for b in blocks], "stop_reason": stop_reason,
                 "stop_sequence": stop_sequence,
                 "usage": {"input_tokens": len(prompt_ids), "output_tokens": len(s.response_ids)},
                 "prompt_token_ids": prompt_ids, "token_ids": s.response_ids,

@@ -177,7 +177,7 @@ class EpisodeSampling:
 class _Episode:
     sampling: EpisodeSampling
     turns: list[Transition] = field(default_factory=list)
-    messages: list[dict[str, str]] = field(default_factory=list)  # the chat up to the last reply, included
+    messages: list[dict] = field(default_factory=list)  # the chat up to the last reply, included
     context: list[int] = field(default_factory=list)  # the last turn's prompt and response ids
 
 
@@ -212,7 +212,7 @@ class EpisodeLog:
             episode = self._episodes.get(key) if key is not None else None
             return None if episode is None else (episode.sampling, len(episode.turns))
 
-    def continuation(self, key: str, chat: list[dict[str, str]]) -> tuple[list[int], list[dict[str, str]]] | None:
+    def continuation(self, key: str, chat: list[dict]) -> tuple[list[int], list[dict]] | None:
         """(the previous turn's prompt and response ids, the messages after its reply) when ``chat``
         extends the episode's last exchange; None for a first turn or a chat that does not."""
         with self._lock:
@@ -222,11 +222,12 @@ class EpisodeLog:
             return None
         return list(episode.context), chat[done:]
 
-    def record(self, key: str, chat: list[dict[str, str]], turn: Transition, reply: str) -> None:
+    def record(self, key: str, chat: list[dict], turn: Transition, reply: dict) -> None:
+        """``reply``: the model's reply as a chat message, as a request sending it back renders it."""
         with self._lock:
             episode = self._episodes.get(key)
             if episode is None:  # closed while the turn ran: the driver gave up on it
                 return
             episode.turns.append(turn)
-            episode.messages = [*chat, {"role": "assistant", "content": reply}]
+            episode.messages = [*chat, reply]
             episode.context = turn.prompt_ids + turn.response_ids
