@@ -118,3 +118,10 @@ def test_a_misplaced_tool_block_is_a_400_naming_the_message(serve):
         "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "calculator", "input": {}}]}]})
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "messages.0: tool_use blocks belong to assistant messages"
+
+
+def test_empty_text_is_a_message_all_the_same():
+    request = MessagesRequest.model_validate({"model": MODEL, "max_tokens": 4, "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": ""}, {"role": "user", "content": ""}]})
+    assert request.chat_messages() == [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""},
+                                       {"role": "user", "content": ""}]

@@ -78,7 +78,8 @@ class AgentRollout:
         return [samples[i:i + group_size] for i in range(0, len(samples), group_size)]
 
     def episode(self, prompt: Prompt, group: int, member: int, *, seed: int) -> Sample:
-        where = f"spec.agent (prompt {prompt.index}, episode {member})"
+        form = self.agent.environment or "spec.agent.harness"
+        where = f"{form} (prompt {prompt.index}, episode {member})"
         seed = episode_seed(seed, group, member)
         key = self.episodes.open(dataclasses.replace(self.sampling, seed=seed))
         try:
@@ -101,7 +102,6 @@ class AgentRollout:
     # --- the environment form ----------------------------------------------------------------
 
     def _play(self, prompt: Prompt, key: str, seed: int, where: str) -> tuple[float, dict]:
-        where = f"{self.agent.environment} (prompt {prompt.index})"
         env = self.environment()
         chat = first_chat(env.reset(Task(prompt.messages, prompt.answer, prompt.data_source, prompt.extra_info,
                                          seed=seed)), where)

@@ -158,9 +158,10 @@ class AnthropicMessage(_Body):
 
     @model_validator(mode="before")
     @classmethod
-    def _empty_reply(cls, value):
-        """An empty assistant reply (the model closed its turn at once) may be sent back as it came."""
-        if isinstance(value, dict) and value.get("role") == "assistant" and value.get("content") == "":
+    def _empty_text(cls, value):
+        """Empty text is a message all the same: a reply the model closed at once, sent back as it
+        came, or a tool's empty output."""
+        if isinstance(value, dict) and value.get("content") == "":
             return {**value, "content": [{"type": "text", "text": ""}]}
         return value
 
