@@ -47,3 +47,12 @@ def test_async_rollout_renders_with_an_integer_top_p():
     manifest = minimal_manifest("algo-async")
     manifest["spec"]["algorithm"] = {"asyncRollout": True, "topP": 1}
     assert "RayJob" in [o["kind"] for o in render_manifest(manifest)]
+
+
+def test_an_agent_manifest_renders():
+    manifest = minimal_manifest("agent")
+    manifest["spec"]["agent"] = {"environment": "kuberl.agents.calculator:Calculator", "maxTurns": 2,
+                                 "maxTokensPerTurn": 12}
+    assert "RayJob" in [o["kind"] for o in render_manifest(manifest)]
+    manifest["spec"]["agent"] = {"harness": {"command": ["python", "-m", "kuberl.agents.calculator"]}}
+    assert "RayJob" in [o["kind"] for o in render_manifest(manifest)]

@@ -170,6 +170,43 @@ class RewardSpec(APIModel):
     cpus_per_worker: float = Field(1.0, gt=0, le=64, description="CPUs each reward worker reserves.")
 
 
+class AgentHarnessSpec(APIModel):
+    command: list[Annotated[str, StringConstraints(min_length=1, max_length=4096)]] = Field(
+        min_length=1, max_length=MAX_LIST_ITEMS,
+        description="The program and its arguments, run on the head pod once per episode. It gets "
+                    "ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY (the episode key), OPENAI_BASE_URL, "
+                    "OPENAI_API_KEY (the same key) and KUBERL_MODEL in its environment (none of the "
+                    "job's credentials) and the task as JSON on stdin (messages, answer, data_source, "
+                    "extra_info, seed, max_tokens); it prints {\"reward\": <number>} as its last line.")
+    timeout_seconds: int = Field(600, ge=1, le=86_400, description="An episode that runs longer fails the step.")
+
+
+class AgentSpec(APIModel):
+    """Multi-turn agent rollouts (docs/agents.md): each rollout is an episode whose model turns go
+    through the rollout endpoint under a per-episode key."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(
+        rule("has(self.environment) != has(self.harness)", "agent: set exactly one of environment or harness"),
+    ))
+    environment: str | None = Field(
+        None, max_length=512, pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$",
+        description="The environment class, module.path:Class (importable in the image), with "
+                    "reset(task) -> the chat to start from and step(reply) -> Step(observation, "
+                    "reward, done), the gymnasium / skyrl-gym shape; made once per episode. Its "
+                    "rewards, summed over the episode, replace spec.reward. Embedded: "
+                    "kuberl.agents.calculator:Calculator (a two-turn tool-use toy task).")
+    harness: AgentHarnessSpec | None = Field(None, description="An agent program that talks to the "
+                                             "endpoint's Anthropic or OpenAI API itself and returns a reward.")
+    max_turns: int = Field(8, ge=1, le=1024, description="environment: model replies per episode at most; "
+                           "an episode the environment has not ended by then stops with the reward so far.")
+    max_tokens_per_turn: int | None = Field(None, ge=1, le=1_048_576, description="Longest reply per turn. "
+                                            "Default: rollout.maxResponseLength. A whole episode (first "
+                                            "prompt, replies, observations) fits in maxPromptLength + "
+                                            "maxResponseLength tokens; one that fills it ends there.")
+    concurrency: int = Field(64, ge=1, le=4096, description="Episodes in flight at once (each waits on "
+                             "its environment between turns).")
+
+
 AlgorithmName = Literal["grpo", "dr-grpo", "dapo", "rloo", "gspo"]
 # (clipRatioLow, clipRatioHigh) when unset: PPO's 0.2; DAPO's clip-higher (arXiv 2503.14476);
 # the ranges of GSPO's experiments for its sequence-level ratio (arXiv 2507.18071).
@@ -531,6 +568,13 @@ class RLTrainingJobSpec(APIModel):
              "self.checkpoint.resume != self.checkpoint.uri",
              "checkpoint.resume names the checkpoint root itself; use auto to resume from the newest "
              "checkpoint under checkpoint.uri", ".checkpoint.resume"),
+        rule("!has(self.agent) || !has(self.agent.maxTokensPerTurn) || "
+             "self.agent.maxTokensPerTurn <= self.rollout.maxResponseLength",
+             "agent.maxTokensPerTurn must be at most rollout.maxResponseLength (a first turn's prompt may "
+             "take all of maxPromptLength)", ".agent.maxTokensPerTurn"),
+        rule("!has(self.agent) || !has(self.validation)",
+             "agent: validation runs single-turn prompts and does not run agent episodes yet; remove "
+             "spec.validation", ".validation"),
         rule("self.trainer.replicas < 1 || self.trainer.processesPerReplica < 1 || "
              "(self.algorithm.promptsPerStep * self.algorithm.groupSize) % "
              "(self.trainer.replicas * (self.trainer.gpusPerReplica > 0 ? self.trainer.gpusPerReplica "
@@ -547,6 +591,8 @@ class RLTrainingJobSpec(APIModel):
     reward: RewardSpec = Field(default_factory=lambda: RewardSpec(builtin="gsm8k_strict"),
                                description="How responses are scored.")
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="RL algorithm and its hyper-parameters.")
+    agent: AgentSpec | None = Field(None, description="Multi-turn agent episodes instead of single "
+                                    "responses (docs/agents.md).")
     head: HeadSpec = Field(default_factory=HeadSpec, description="The Ray head pod (runs the driver).")
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Training workers.")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rollout engines.")

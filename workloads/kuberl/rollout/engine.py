@@ -142,13 +142,13 @@ class RolloutEngine:
         return list(await asyncio.gather(*requests))
 
     async def complete(self, prompt_ids: list[int], *, n: int = 1, temperature: float = 1.0,
-                       top_p: float = 1.0, max_tokens: int = 16, stop: list[str] | None = None,
+                       top_p: float = 1.0, top_k: int = -1, max_tokens: int = 16, stop: list[str] | None = None,
                        seed: int | None = None, logprobs: bool = False) -> list[Sample]:
         """One request of the HTTP endpoint (already tokenized and validated)."""
         from vllm import SamplingParams
 
         self._check_prompt(prompt_ids, max_tokens, "prompt")
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                 stop=stop or None, seed=seed, logprobs=0 if logprobs else None)
         samples = await self._one(prompt_ids, params, 0)
         if logprobs:
@@ -173,9 +173,16 @@ class RolloutEngine:
         return list(await asyncio.gather(*(one(seq) for seq in sequences)))
 
     # --- tokenization for the HTTP endpoint -------------------------------------------------
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                       return_dict=False))
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=True,
+                                                       add_generation_prompt=True, return_dict=False))
+
+    def continuation(self, new_messages: list[dict], context: list[int], tools: list[dict] | None = None) -> list[int]:
+        """The tokens after ``context`` (an episode's last prompt and response) that add
+        ``new_messages`` and open the next assistant turn (``kuberl.rollout.continuation``)."""
+        from kuberl.rollout.continuation import continuation_ids
+
+        return continuation_ids(self.tokenizer, new_messages, context, tools)
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True))

@@ -1,7 +1,8 @@
 """The RL loop: the single controller that owns the run; Ray actors do the work.
 
 Each step: the step's prompts (a pure function of seed and step) -> ``groupSize`` samples per
-prompt from the rollout engines -> rewards, shaped by the algorithm -> the groups it trains on
+prompt from the rollout engines (with ``spec.agent``, episodes through the endpoint:
+``kuberl.agents.episodes``) -> rewards, shaped by the algorithm -> the groups it trains on
 (dynamic sampling refills dropped ones) -> its advantages -> the log-probs it needs from the
 trainer -> policy updates over mini-batches (``kuberl.train.updates``; the trainer's loss is the
 algorithm's too) -> weight sync to the engines -> validation when due -> metrics, trackers, progress
@@ -131,6 +132,14 @@ class GRPODriver:
         self.total_steps = (steps_for_epochs(algo.epochs, len(prompts), algo.prompts_per_step)
                             if algo.epochs else algo.total_steps)
         self.reward_fn = RewardWorkers(self.spec.reward)
+        self.agent = None
+        if self.spec.agent is not None:  # episodes through the endpoint, which records their tokens
+            from kuberl.agents.episodes import AgentRollout
+            from kuberl.rollout.transitions import EpisodeLog
+
+            episodes = EpisodeLog()
+            self.agent = AgentRollout(self.spec, base_url=engines.serve(episodes=episodes),
+                                      model=engines.served_model_name, episodes=episodes)
         self.validator = None
         if self.spec.validation is not None:
             held_out = load_for_spec(validation_path or self.spec.validation.uri, self.spec.data,
@@ -163,11 +172,32 @@ class GRPODriver:
 
     def _scored_groups(self, prompts: list[Prompt], seed: int) -> list[list[Sample]]:
         """``groupSize`` scored samples per prompt: ``sample.reward`` is what the algorithm trains
-        on (the reward function's, shaped: dapo's overlong penalty), ``metadata['task_reward']``
-        the reward function's own."""
+        on (the reward function's, or with ``spec.agent`` the episode's, shaped: dapo's overlong
+        penalty), ``metadata['task_reward']`` the unshaped one."""
         algo = self.spec.algorithm
         max_tokens = self.spec.rollout.max_response_length
         started = time.perf_counter()
+        if self.agent is not None:
+            groups = self.agent.generate(prompts, algo.group_size, seed)
+            samples = [sample for group in groups for sample in group]
+            rewards = [sample.reward for sample in samples]  # the environment's, summed over the episode
+        else:
+            groups, samples, rewards = self._generated_groups(prompts, seed)
+        buffer, penalty = algo.overlong(max_tokens)
+        shaped = self.algorithm.shape_rewards(rewards, [len(s.response_ids) for s in samples],
+                                              max_response_tokens=max_tokens, overlong_buffer=buffer,
+                                              overlong_penalty=penalty)
+        for sample, reward, value in zip(samples, rewards, shaped, strict=True):
+            sample.metadata["task_reward"] = reward
+            sample.reward = value
+        pod_metrics.record_rollout(sum(len(s.response_ids) for s in samples), time.perf_counter() - started)
+        return [list(group) for group in groups]
+
+    def _generated_groups(self, prompts: list[Prompt], seed: int) -> tuple[list[list[Sample]], list[Sample], list[float]]:
+        """Single responses from the engines, scored by ``spec.reward``: the groups, their samples
+        in order and the reward function's rewards."""
+        algo = self.spec.algorithm
+        max_tokens = self.spec.rollout.max_response_length
         groups = self.engines.generate([self._chat_ids(p.messages) for p in prompts], algo.group_size,
                                        temperature=algo.temperature, max_tokens=max_tokens, seed=seed,
                                        top_p=algo.top_p, top_k=algo.top_k, stop=algo.stop or None)
@@ -184,16 +214,7 @@ class GRPODriver:
                     data_source=prompt.data_source, extra_info=prompt.extra_info,
                     prompt_tokens=len(sample.prompt_ids), response_tokens=len(sample.response_ids),
                     max_response_tokens=max_tokens, finish_reason=sample.finish_reason, group=index))
-        rewards = self.reward_fn(inputs)
-        buffer, penalty = algo.overlong(max_tokens)
-        shaped = self.algorithm.shape_rewards(rewards, [len(s.response_ids) for s in samples],
-                                              max_response_tokens=max_tokens, overlong_buffer=buffer,
-                                              overlong_penalty=penalty)
-        for sample, reward, value in zip(samples, rewards, shaped, strict=True):
-            sample.metadata["task_reward"] = reward
-            sample.reward = value
-        pod_metrics.record_rollout(sum(len(s.response_ids) for s in samples), time.perf_counter() - started)
-        return [list(group) for group in groups]
+        return groups, samples, self.reward_fn(inputs)
 
     def rollout(self, step: int) -> tuple[list[Sample], list[float], dict[str, float]]:
         """The step's batch, its prompts' task rewards and the rollout's metrics. The batch holds
@@ -220,6 +241,11 @@ class GRPODriver:
         metrics = {"groups_dropped": float(filled.dropped), "groups_padded": float(filled.padded),
                    "refill_rounds": float(filled.rounds), "groups_generated": float(filled.generated),
                    "reward_shaping": sum(s.reward - s.metadata["task_reward"] for s in samples) / len(samples)}
+        if self.agent is not None:  # the batch's model tokens (trained) and tool/environment tokens (not)
+            model_tokens = sum(sum(s.loss_mask) for s in samples)
+            metrics.update(agent_model_tokens=float(model_tokens),
+                           agent_tool_tokens=float(sum(len(s.response_ids) for s in samples) - model_tokens),
+                           agent_turns=sum(s.metadata["turns"] for s in samples) / len(samples))
         return samples, task_rewards, metrics
 
     def train_step(self, step: int) -> StepResult:
@@ -331,6 +357,8 @@ class GRPODriver:
             self._background.shutdown(wait=False, cancel_futures=True)
             self.checkpoints.close()
             self.trackers.close()
+            if self.agent is not None:
+                self.agent.close()
         return EXIT_OK, results
 
     def _validate(self, step: int) -> dict[str, float]:
