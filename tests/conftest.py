@@ -24,6 +24,9 @@ def ray_session(ray_s3_endpoint):
     ray = pytest.importorskip("ray")
     from tests.storage.conftest import S3_ENV
 
+    if ray.is_initialized():
+        pytest.fail("Ray is already running in this process: an earlier test used Ray tasks without the "
+                    "ray_session fixture (ray.remote starts a private Ray); give that test ray_session")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {**S3_ENV, "AWS_ENDPOINT_URL_S3": ray_s3_endpoint}})

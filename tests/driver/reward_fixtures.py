@@ -4,22 +4,25 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
-SECONDS_PER_SAMPLE = 0.25
+# Long enough for Ray to start every worker process on a loaded machine.
+BARRIER_SECONDS = 120
 
 
-def slow_length_shaped(batch):
-    """A verifier that takes SECONDS_PER_SAMPLE per sample (a sandbox, a judge call) and shapes by
-    length: extra_info's weight times the share of the response budget used. Each call notes its
-    process id in extra_info's pid_dir, so a test can see which workers ran."""
-    out = []
-    for x in batch:
-        time.sleep(SECONDS_PER_SAMPLE)
-        if x.extra_info.get("pid_dir"):
-            with open(os.path.join(x.extra_info["pid_dir"], f"{os.getpid()}"), "a") as f:
-                f.write(f"{x.group}\n")
-        out.append(x.extra_info["weight"] * x.response_tokens / x.max_response_tokens)
-    return out
+def concurrent_length_shaped(batch):
+    """A verifier that proves its calls run at the same time: each call notes its process id in
+    extra_info's pid_dir, then waits until extra_info's `parties` calls have noted theirs (up to
+    BARRIER_SECONDS). Shaped by length: extra_info's weight times the share of the budget used."""
+    pid_dir = Path(batch[0].extra_info["pid_dir"])
+    parties = batch[0].extra_info["parties"]
+    (pid_dir / str(os.getpid())).write_text(f"{batch[0].group}\n")
+    deadline = time.monotonic() + BARRIER_SECONDS
+    while len(list(pid_dir.iterdir())) < parties:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(list(pid_dir.iterdir()))} of {parties} reward calls ran at once")
+        time.sleep(0.05)
+    return [x.extra_info["weight"] * x.response_tokens / x.max_response_tokens for x in batch]
 
 
 def wrong_count(batch):

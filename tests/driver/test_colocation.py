@@ -4,7 +4,8 @@ ranks compute log-probs and step, and wake before the weight sync and the next r
 The trainer group, engine pool and weight sync here are recording stand-ins: what releases GPU
 memory is vLLM's sleep mode, which exists only on GPUs (vLLM's CPU worker logs and ignores it,
 tests/rollout/test_engine.py), and no GPU machine here has vLLM. What is under test is the order
-the driver keeps, on the real GRPODriver with the real tokenizer, data and rewards."""
+the driver keeps, on the real GRPODriver with the real tokenizer, data and rewards (the reward
+workers are Ray tasks: the tests share the session's Ray, `ray_session`)."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def _driver(tmp_path: Path, colocate: bool, calls: Calls) -> GRPODriver:
                       reporter=StatusReporter())
 
 
-def test_colocated_engines_sleep_while_the_trainer_steps(tmp_path):
+def test_colocated_engines_sleep_while_the_trainer_steps(ray_session, tmp_path):
     calls = Calls()
     driver = _driver(tmp_path, colocate=True, calls=calls)
     driver.train_step(0)
@@ -90,7 +91,7 @@ def test_colocated_engines_sleep_while_the_trainer_steps(tmp_path):
     assert calls == ["generate", "sleep", "log_probs", "train_step", "wake_up", "sync"] * 2
 
 
-def test_engines_on_their_own_gpus_never_sleep(tmp_path):
+def test_engines_on_their_own_gpus_never_sleep(ray_session, tmp_path):
     calls = Calls()
     _driver(tmp_path, colocate=False, calls=calls).train_step(0)
     assert calls == ["generate", "log_probs", "train_step", "sync"]

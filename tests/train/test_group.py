@@ -4,6 +4,8 @@ background while training goes on) and restore, HF export to the checkpoint URI.
 
 from __future__ import annotations
 
+import json
+
 import hashlib
 import math
 import random
@@ -39,10 +41,10 @@ def moe_s3_uri(moe_path, s3_endpoint):
     return "s3://models/qwen3-moe-tiny"
 
 
-def _spec(model_path, checkpoint=None, **algorithm) -> RLTrainingJobSpec:
+def _spec(model_path, checkpoint=None, trainer=None, **algorithm) -> RLTrainingJobSpec:
     return RLTrainingJobSpec.model_validate({
         "model": {"uri": str(model_path)}, "data": {"uri": "/data/prompts.jsonl"}, "image": "kuberl:test",
-        "trainer": {"gpusPerReplica": 0, "processesPerReplica": 2, "gradientCheckpointing": True},
+        "trainer": {"gpusPerReplica": 0, "processesPerReplica": 2, "gradientCheckpointing": True, **(trainer or {})},
         "algorithm": {"microBatchSize": 2, "learningRate": 1e-3, "weightDecay": 0.1, "warmupSteps": 2,
                       **algorithm},
         "checkpoint": checkpoint or {},
@@ -140,7 +142,9 @@ def test_dense_trains_with_training_numerics_and_skips_non_finite(dense_path, tm
 
 
 def test_moe_ranks_route_differently_and_train_without_hang(moe_path, tmp_path):
-    group = _group(_spec(moe_path, klCoef=0.0), tmp_path)
+    # The load-balancing loss is off by default (as in the peers); on here, so the router's
+    # logits take part in the update and its value is reported.
+    group = _group(_spec(moe_path, trainer={"moe": {"routerAuxLossCoef": 0.01}}, klCoef=0.0), tmp_path)
     try:
         # Rank 1 gets only token 5 repeated: it routes everything to the same two experts, while
         # rank 0's varied tokens spread over others. Some expert gets no token on rank 1.
@@ -211,8 +215,16 @@ def test_per_rank_checkpoint_saves_in_background_resumes_bit_exactly_and_exports
         fs.invalidate_cache()
         assert fs.exists("group-ckpt/run/step-000000003/COMPLETE")
 
-        # A checkpoint lacking this world size's per-rank files is refused with the reason.
+        # A file removed after COMPLETE vouched for it: the restore refuses the step, naming it.
         fs.rm("group-ckpt/run/step-000000003/trainer/trainer_rank1_of2.pt")
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"trainer/trainer_rank1_of2.pt is missing"):
+            group.load_checkpoint(uri)
+        # A complete checkpoint without this world size's per-rank files (COMPLETE agrees: as one
+        # written by another number of ranks) is refused with the reason.
+        manifest = json.loads(fs.cat_file("group-ckpt/run/step-000000003/COMPLETE"))
+        manifest["files"] = [f for f in manifest["files"] if f["path"] != "trainer/trainer_rank1_of2.pt"]
+        fs.pipe_file("group-ckpt/run/step-000000003/COMPLETE", json.dumps(manifest).encode())
+        fs.invalidate_cache()
         with pytest.raises(ray.exceptions.RayTaskError, match="same world size"):
             group.load_checkpoint(uri)
         assert group.export_hugging_face(f"{root}/hf") == f"{root}/hf"

@@ -191,7 +191,12 @@ class RankCheckpointer:
         local = None
         try:
             # Read in place, so verified first: exactly the files COMPLETE lists, at their sizes.
-            verify_checkpoint(uri)
+            try:
+                verify_checkpoint(uri)
+                refused = None
+            except StorageError as err:
+                refused = str(err)
+            self._all_or_none(refused)
             if self.spec.format == "tar" or with_retries(lambda: fs.exists(f"{base}/{tar_name(0)}"), uri=uri):
                 # One tar per rank: this rank fetches every rank's part (dcp may read any of them).
                 local = self.scratch / "restore"
@@ -210,18 +215,22 @@ class RankCheckpointer:
         return json.loads(with_retries(lambda: fs.cat_file(f"{base}/{DRIVER_STATE}"), uri=uri))
 
     def _require(self, fs, path: str, uri: str) -> None:
-        """Every rank finds its own part, or all raise together (a rank raising alone would leave
-        the others waiting in dcp.load)."""
-        import torch
+        """Every rank finds its own part, or all raise together."""
+        found = with_retries(lambda: fs.exists(path), uri=uri)
+        self._all_or_none(None if found else (
+            f"{uri}: trainer rank {self.rank} finds no {extra_name(self.rank, self.world_size)}: the "
+            f"checkpoint was written by a different number of trainer ranks; resume with the same world size"))
+
+    def _all_or_none(self, problem: str | None) -> None:
+        """Every rank goes on, or every rank raises, naming every rank's problem: a rank raising
+        alone would leave the others waiting in the next collective (ranks can disagree: each
+        lists the store itself)."""
         import torch.distributed as dist
 
-        missing = torch.tensor([0.0 if with_retries(lambda: fs.exists(path), uri=uri) else 1.0])
-        dist.all_reduce(missing, group=self.group)
-        if missing.item():
-            raise FileNotFoundError(
-                f"{uri}: {int(missing.item())} of {self.world_size} trainer ranks find no "
-                f"trainer_rank<r>_of{self.world_size}.pt: the checkpoint was written by a different "
-                f"number of trainer ranks; resume with the same world size")
+        problems: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(problems, problem, group=self.group)
+        if any(problems):
+            raise StorageError("; ".join(dict.fromkeys(p for p in problems if p)))
 
     def _dcp_load(self, state: dict, path: str, fs) -> None:
         import torch.distributed.checkpoint as dcp
