@@ -74,15 +74,3 @@ def token_ratio_loss(logprobs, old_logprobs, advantages, mask, *, clip_low: floa
     ``divisor`` (the update's token count: token-mean; a constant: token-sum normalised)."""
     return L.policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, total_tokens=divisor)
 
-
-def centred(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``r - mean_group`` and each sample's group size, float32, as ``L.group_advantages`` groups."""
-    rewards = torch.as_tensor(rewards, dtype=torch.float32)
-    group_ids = torch.as_tensor(group_ids)
-    if rewards.shape != group_ids.shape or rewards.dim() != 1:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} "
-                         f"must be 1-D and of the same length")
-    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    sums = torch.zeros(counts.numel()).index_add_(0, inverse, rewards)
-    counts_f = counts.to(torch.float32)
-    return rewards - (sums / counts_f)[inverse], counts_f[inverse]

@@ -8,14 +8,15 @@ update's number of sequences, as the paper's code (``masked_sum / generate_max_l
 
 from __future__ import annotations
 
-from kuberl.train.algorithms.base import Algorithm, centred, token_ratio_loss
+from kuberl.train import loss as L
+from kuberl.train.algorithms.base import Algorithm, token_ratio_loss
 
 
 class DrGRPO(Algorithm):
     name = "dr-grpo"
 
     def advantages(self, rewards, group_ids):
-        return centred(rewards, group_ids)[0]
+        return L.group_centred(rewards, group_ids)[0]
 
     def policy_loss(self, logprobs, old_logprobs, advantages, mask, sequence_index, totals, *, clip_low, clip_high):
         if not totals.max_response_tokens:

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from kuberl.train.algorithms.base import Algorithm, centred, token_ratio_loss
+from kuberl.train import loss as L
+from kuberl.train.algorithms.base import Algorithm, token_ratio_loss
 
 
 class RLOO(Algorithm):
     name = "rloo"
 
     def advantages(self, rewards, group_ids):
-        diff, size = centred(rewards, group_ids)
+        diff, size = L.group_centred(rewards, group_ids)
         return torch.where(size > 1, diff * size / (size - 1).clamp(min=1), torch.zeros_like(diff))
 
     def policy_loss(self, logprobs, old_logprobs, advantages, mask, sequence_index, totals, *, clip_low, clip_high):
