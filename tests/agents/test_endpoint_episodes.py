@@ -65,6 +65,10 @@ def test_openai_bearer_keys_record_too_and_one_choice_per_turn(serve):
     bad = httpx.post(f"{base_url}/v1/chat/completions", json={**body, "n": 2},
                      headers={"authorization": f"Bearer {key}"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
+    # A raw prompt is no chat turn: refused, not served with the client's sampling and left unrecorded.
+    raw = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL, "max_tokens": 4, "prompt": "hi"},
+                     headers={"authorization": f"Bearer {key}"})
+    assert raw.status_code == 400 and "/v1/messages" in raw.json()["error"]["message"]
     assert len(episodes.close(key)) == 1
 
 

@@ -266,6 +266,9 @@ def make_app(pool, episodes: EpisodeLog | None = None) -> Starlette:
     async def completions(request: Request):
         req: CompletionRequest = await _parse(CompletionRequest, request)
         check_model(req.model)
+        if episode_key(request) is not None:  # else served with the client's sampling and recorded nowhere
+            raise APIError(400, "prompt: an episode key records chat turns, which a raw prompt is not; "
+                                "send the episode's turns to /v1/messages or /v1/chat/completions", param="prompt")
         engine = engine_for(request, req.user)
         prompt_ids = (list(req.prompt) if isinstance(req.prompt, list)
                       else await engine.tokenize.remote(req.prompt))
