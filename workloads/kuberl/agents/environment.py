@@ -65,7 +65,8 @@ def load_environment(path: str) -> type:
                          f"image or fix the path (module.path:Class)") from exc
     cls = getattr(module, attr, None)
     if not isinstance(cls, type):
-        raise AgentError(f"{FIELD}: {module_name!r} has no class {attr!r}")
+        raise AgentError(f"{FIELD}: {module_name!r} has no class {attr!r}; fix the class name "
+                         f"(module.path:Class)")
     missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
     if missing:
         raise AgentError(f"{FIELD}: {path} has no {' or '.join(missing)} method; an environment class "
