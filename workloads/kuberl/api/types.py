@@ -290,11 +290,11 @@ class AlgorithmSpec(APIModel):
                                         "rollout.maxResponseLength (DAPO's L_cache); 0 turns it off. "
                                         "Default: maxResponseLength / 5 (DAPO: 4096 of 20480).")
     overlong_penalty: float | None = Field(None, ge=0, le=100, description="dapo: the shaping's largest "
-                                           "penalty, reached at rollout.maxResponseLength. Default: 1.0.")
+                                           f"penalty, reached at rollout.maxResponseLength. Default: {DAPO_OVERLONG_PENALTY}.")
     max_refill_rounds: int | None = Field(None, ge=0, le=64, description="dapo: extra generation rounds "
                                           "that refill the step's batch after dynamic sampling dropped the "
                                           "groups whose rewards are all equal; still short after them, the "
-                                          "step trains with dropped groups in the gaps. Default: 3.")
+                                          f"step trains with dropped groups in the gaps. Default: {DAPO_MAX_REFILL_ROUNDS}.")
     async_rollout: bool = Field(False, description="One-step asynchronous rollouts: the engines generate "
                                 "step n+1's rollout while the trainer trains on step n's, so each step "
                                 "trains on samples of the weights one step old (the staleness bound); the "
