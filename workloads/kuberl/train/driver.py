@@ -131,7 +131,8 @@ class GRPODriver:
         self.stream = PromptStream(prompts, algo.seed)
         self.total_steps = (steps_for_epochs(algo.epochs, len(prompts), algo.prompts_per_step)
                             if algo.epochs else algo.total_steps)
-        self.reward_fn = RewardWorkers(self.spec.reward)
+        # With spec.agent the episodes' rewards replace spec.reward, which is then not loaded.
+        self.reward_fn = RewardWorkers(self.spec.reward) if self.spec.agent is None else None
         self.agent = None
         if self.spec.agent is not None:  # episodes through the endpoint, which records their tokens
             from kuberl.agents.episodes import AgentRollout
@@ -216,7 +217,7 @@ class GRPODriver:
                     max_response_tokens=max_tokens, finish_reason=sample.finish_reason, group=index))
         return groups, samples, self.reward_fn(inputs)
 
-    def rollout(self, step: int) -> tuple[list[Sample], list[float], dict[str, float]]:
+    def rollout(self, step: int) -> Rollout:
         """The step's batch, its prompts' task rewards and the rollout's metrics. The batch holds
         the groups the algorithm keeps (``keep_group``), refilled from extra rounds of prompts
         (dynamic sampling, ``maxRefillRounds``), numbered in batch order. The task rewards are
