@@ -146,6 +146,8 @@ BAD_MANIFESTS: list[BadManifest] = [
                 "leave topP: 1 and topK: -1, or set asyncRollout: false"),
     BadManifest("overlong_buffer_without_dapo", _set("spec.algorithm", {"name": "grpo", "overlongBuffer": 64}),
                 "apply to name: dapo only"),
+    BadManifest("overlong_penalty_without_dapo", _set("spec.algorithm", {"name": "rloo", "overlongPenalty": 0.5}),
+                "apply to name: dapo only"),
     BadManifest("refill_rounds_without_dapo", _set("spec.algorithm", {"name": "gspo", "maxRefillRounds": 2}),
                 "apply to name: dapo only"),
     BadManifest("overlong_buffer_not_below_max_response",

@@ -1,8 +1,11 @@
 """Every bad manifest is rejected locally (schema + CEL via cel-python, then the renderer) with a
 message naming the field; the same table runs against the real API server in tests/cluster."""
 
+import typing
+
 import pytest
 
+from kuberl.api.types import AlgorithmName
 from kuberl.api.validate import ManifestError
 from kuberl.render import render_manifest
 from kuberl.uri import URIError
@@ -26,7 +29,7 @@ def test_bad_manifest_is_rejected_naming_the_field(case):
     assert case.message in str(info.value)
 
 
-@pytest.mark.parametrize("name", ["grpo", "dr-grpo", "dapo", "rloo", "gspo"])
+@pytest.mark.parametrize("name", typing.get_args(AlgorithmName))
 def test_every_algorithm_name_renders(name):
     manifest = minimal_manifest(f"algo-{name}")
     manifest["spec"]["algorithm"] = {"name": name}
