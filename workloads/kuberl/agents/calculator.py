@@ -5,7 +5,8 @@ digit. Turn 1 is the tool call: a reply containing ``=`` calls the calculator on
 expression, and its output (``calculator: 3``) comes back as the next user message; a reply
 without it gets a hint instead. Turn 2 is the answer. The reward is 0 without a tool call, and
 otherwise 0.2 plus 0.8 x the share of the answer's characters equal to the result digit, so the
-answer must come from the tool's output (the digit is in no prompt) and the reward rises by steps
+answer must come from the tool's output (the digit is not in the prompt, except as an operand of
+``0+n`` or ``n+0``) and the reward rises by steps
 a random-weight character model can take on a CPU: first calling the tool, then copying its digit.
 
 The tool-call syntax is a single character because the tiny model writes characters at random;
