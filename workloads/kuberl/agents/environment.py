@@ -55,7 +55,7 @@ class Environment(Protocol):
 FIELD = "spec.agent.environment"
 
 
-def load_environment(path: str) -> type:
+def load_environment(path: str) -> type[Environment]:
     """The class ``module.path:Class`` names; errors name the field and what to fix."""
     module_name, _, attr = path.partition(":")
     try:
