@@ -28,7 +28,9 @@ def ray_session(ray_s3_endpoint):
         pytest.fail("Ray is already running in this process: an earlier test used Ray tasks without the "
                     "ray_session fixture (ray.remote starts a private Ray); give that test ray_session")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    # Logical CPUs, as `kuberl train` gives a local Ray: session-wide engines, trainer ranks and
+    # reward workers each hold one while they live, and take turns on the real cores.
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {**S3_ENV, "AWS_ENDPOINT_URL_S3": ray_s3_endpoint}})
     yield ray_s3_endpoint
     ray.shutdown()

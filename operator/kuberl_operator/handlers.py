@@ -212,7 +212,9 @@ class Controller:
     @staticmethod
     def _post(body: dict[str, Any], events: list[Event]) -> None:
         for event in events:
-            kopf.event(body, type=event.type, reason=event.reason, message=event.message[:1024])
+            # The API server counts an event message's limit (1024) in bytes.
+            message = event.message.encode()[:1024].decode(errors="ignore")
+            kopf.event(body, type=event.type, reason=event.reason, message=message)
 
 
 class NoDiffBase(kopf.DiffBaseStorage):

@@ -6,6 +6,7 @@ pure functions of it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -68,11 +69,29 @@ def failed(ray_job: dict[str, Any] | None) -> bool:
         dep == DEPLOYMENT_COMPLETE and job_status(ray_job) != JOB_SUCCEEDED)
 
 
+# The longest failure reason the operator repeats (status, conditions, events).
+FAILURE_REASON_CHARS = 512
+# A line of a Python log that names an exception: "RuntimeError: ...", "kuberl.x.RewardError: ...".
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b[^:\s]*:")
+
+
+def _summary(message: str) -> str:
+    """KubeRay's message for a failed Ray job ends with up to 20,000 characters of the driver's
+    log: its first line, and the log's last exception raised by the driver itself (Ray prefixes
+    its actors' lines with "(ActorName pid=...)")."""
+    first, _, log = message.partition("\n")
+    first = first.split(", last available logs")[0]
+    raised = [line.strip() for line in log.splitlines() if _EXCEPTION_LINE.match(line.strip())]
+    text = f"{first}; last error: {raised[-1]}" if raised else first
+    return text if len(text) <= FAILURE_REASON_CHARS else text[:FAILURE_REASON_CHARS - 1] + "…"
+
+
 def failure_reason(ray_job: dict[str, Any]) -> str:
-    """KubeRay's words for why the attempt failed, e.g. "AppFailed: exit code 1"."""
+    """KubeRay's words for why the attempt failed, e.g. "AppFailed: exit code 1", short enough to
+    repeat in status and events."""
     status = ray_job.get("status") or {}
     reason = status.get("reason") or job_status(ray_job) or deployment_status(ray_job)
-    message = status.get("message") or ""
+    message = _summary(status.get("message") or "")
     return f"{reason}: {message}" if message else reason
 
 

@@ -24,7 +24,8 @@ from kuberl import plan as plans
 from kuberl.api import types as t
 from kuberl.render import CONFIG_FILE, ray_job_name, render
 from kuberl_operator import observed as o
-from kuberl_operator.status import FINISHED_PHASES, compute_status, finished_status
+from kuberl_operator.status import (FINISHED_PHASES, SUSPENDED, compute_status, current_workload_error,
+                                    finished_status)
 
 # camelCase spec fields that may change while a job exists.
 MUTABLE_FIELDS = ("suspend", "backoffLimit", "ttlSecondsAfterFinished")
@@ -37,6 +38,10 @@ class Settings:
     restart_backoff_seconds: float = 10.0
     restart_backoff_max_seconds: float = 300.0
     resync_seconds: float = 60.0
+    # How long a suspend waits for the driver's checkpoint before it takes the cluster anyway.
+    suspend_checkpoint_timeout_seconds: float = 600.0
+    # How often to look again while it waits.
+    suspend_poll_seconds: float = 2.0
 
 
 @dataclass
@@ -143,6 +148,29 @@ def _failed_at(ray_job: dict[str, Any], job: t.RLTrainingJob) -> datetime | None
     return None
 
 
+def checkpoint_before_suspend(job: t.RLTrainingJob, ray_job: dict[str, Any], now: datetime,
+                              settings: Settings) -> str | None:
+    """While spec.suspend waits for the driver to checkpoint its last step, what it waits for;
+    None once the cluster may go. KubeRay deletes a suspended RayJob's cluster without stopping
+    its Ray job, so the driver (which reads spec.suspend after every step) saves first and then
+    holds; the operator suspends the RayJob once status.lastCheckpoint has caught up with
+    status.progress. It does not wait without a checkpoint.uri, without a running Ray job, before
+    the first step, or past the timeout."""
+    status = job.status
+    progress = status.progress if status else None
+    if not job.spec.checkpoint.uri or o.deployment_status(ray_job) != o.DEPLOYMENT_RUNNING or progress is None:
+        return None
+    saved = status.last_checkpoint.step if status.last_checkpoint else 0
+    if saved >= progress.step:
+        return None
+    since = next((c.last_transition_time for c in status.conditions
+                  if c.type == SUSPENDED and c.status == "True"), now)
+    if (now - since).total_seconds() >= settings.suspend_checkpoint_timeout_seconds:
+        return None
+    return (f"suspending: waiting for the driver to checkpoint step {progress.step} before the Ray cluster "
+            f"is deleted (at most {settings.suspend_checkpoint_timeout_seconds:.0f} s)")
+
+
 def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, settings: Settings) -> Plan:
     """Everything to do for ``job`` now: status to write, objects to create, what to delete."""
     attempt = current_attempt(job, observed)
@@ -173,11 +201,13 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
     requeue = None
     status_attempt = attempt
     suspend = None
+    suspend_wait = None
 
     if ray_job is None:
         plan_apply = desired_objects(job, observed, attempt)
         events.append(Event("Normal", "Creating", f"creating RayJob {name} (attempt {attempt})"))
-    elif o.failed(ray_job) and not o.validation_failed(ray_job) and not job.spec.suspend:
+    elif o.failed(ray_job) and not o.validation_failed(ray_job) and not job.spec.suspend \
+            and current_workload_error(job, attempt) is None:
         if attempt < job.spec.backoff_limit:
             wait = backoff_seconds(settings, attempt)
             failed_at = _failed_at(ray_job, job) or now
@@ -195,9 +225,13 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
                                     f"{job.spec.backoff_limit}) from the last checkpoint"))
     elif bool((ray_job.get("spec") or {}).get("suspend")) != job.spec.suspend and not o.failed(ray_job) \
             and not o.succeeded(ray_job):
-        suspend = (name, job.spec.suspend)
-        events.append(Event("Normal", "Suspending" if job.spec.suspend else "Resuming",
-                            f"setting spec.suspend={str(job.spec.suspend).lower()} on RayJob {name}"))
+        suspend_wait = checkpoint_before_suspend(job, ray_job, now, settings) if job.spec.suspend else None
+        if suspend_wait:
+            requeue = settings.suspend_poll_seconds
+        else:
+            suspend = (name, job.spec.suspend)
+            events.append(Event("Normal", "Suspending" if job.spec.suspend else "Resuming",
+                                f"setting spec.suspend={str(job.spec.suspend).lower()} on RayJob {name}"))
     if refused and "SpecChangeRefused" not in {c.type for c in (job.status.conditions if job.status else [])
                                               if c.status == "True"}:
         events.append(Event("Warning", "SpecChangeRefused",
@@ -207,7 +241,7 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
     pods = observed.pods if ray_job is not None else []
     status = compute_status(job, plan_in_effect(job, observed, attempt), ray_job, cluster, pods, now,
                             attempt=status_attempt, refused=refused,
-                            restart_in=restart_in)
+                            restart_in=restart_in, suspend_wait=suspend_wait)
     plan = Plan(status=status, apply=plan_apply, suspend=suspend, delete_ray_jobs=delete, events=events,
                 requeue_after=requeue)
     if status.get("phase") != old_phase:

@@ -50,10 +50,32 @@ def _init_failure(pods: list[dict[str, Any]]) -> str | None:
                 why = (terminated.get("message") or "").strip() or terminated.get("reason") or "error"
                 return (f"init container {cs['name']} failed in pod {pod['metadata']['name']} "
                         f"(exit code {terminated.get('exitCode')}): {why}")
-            waiting = state.get("waiting") or {}
-            if waiting.get("reason") in ("ErrImagePull", "ImagePullBackOff", "InvalidImageName"):
-                return (f"init container {cs['name']} in pod {pod['metadata']['name']}: "
-                        f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": "))
+    return None
+
+
+# kubelet's waiting reasons for a container that cannot start until someone fixes its pod's spec
+# or what it names: a missing Secret or ConfigMap, an image that cannot be had.
+CANNOT_START = {
+    "CreateContainerConfigError": "ContainerConfigError",
+    "CreateContainerError": "ContainerConfigError",
+    "ErrImagePull": "ImageUnavailable",
+    "ImagePullBackOff": "ImageUnavailable",
+    "ErrImageNeverPull": "ImageUnavailable",
+    "InvalidImageName": "ImageUnavailable",
+}
+
+
+def _cannot_start(pods: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """(reason, message) for the first container kubelet cannot start, e.g. ("ContainerConfigError",
+    'container ray-head in pod x cannot start: CreateContainerConfigError: secret "s3" not found')."""
+    for pod in pods:
+        status = pod.get("status") or {}
+        for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in CANNOT_START:
+                why = f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
+                return (CANNOT_START[waiting["reason"]],
+                        f"container {cs['name']} in pod {pod['metadata']['name']} cannot start: {why}")
     return None
 
 
@@ -101,15 +123,24 @@ def finished_status(job: t.RLTrainingJob) -> dict[str, Any]:
     return {k: v for k, v in old.items() if k in OPERATOR_FIELDS}
 
 
+def current_workload_error(job: t.RLTrainingJob, attempt: int) -> t.WorkloadError | None:
+    """The driver's report that the job's own input is at fault, if the current attempt made it
+    (an older attempt's report says nothing about this one's input)."""
+    error = job.status.workload_error if job.status else None
+    return error if error is not None and error.attempt == attempt else None
+
+
 def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] | None,
                    ray_cluster: dict[str, Any] | None, pods: list[dict[str, Any]], now: datetime, *, attempt: int = 0,
-                   refused: list[str] = (), restart_in: float | None = None) -> dict[str, Any]:
+                   refused: list[str] = (), restart_in: float | None = None,
+                   suspend_wait: str | None = None) -> dict[str, Any]:
     """The operator's part of ``job.status`` (a merge patch), from the current attempt's RayJob,
     its RayCluster and pods.
 
     ``plan`` is the attempt's run plan (how many pods make the cluster); ``attempt`` is the attempt being run (status.restarts after a restart was decided);
     ``refused`` names spec fields whose change was refused; ``restart_in`` is set while the failed
-    attempt waits for its backoff before the next one is created.
+    attempt waits for its backoff before the next one is created; ``suspend_wait`` says what a
+    suspend waits for before the cluster goes (the driver's checkpoint).
     """
     spec = job.spec
     current = job.status or t.RLTrainingJobStatus()
@@ -125,10 +156,17 @@ def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] 
         return finished_status(job)
 
     # --- what the attempt is doing --------------------------------------------------------
+    workload_error = current_workload_error(job, attempt)
     init_failure = _init_failure(pods)
+    cannot_start = _cannot_start(pods)
     if o.succeeded(ray_job):
         phase, message = "Succeeded", f"training finished ({spec.algorithm.total_steps} steps)"
         conditions.append(_condition(SUCCEEDED, True, "Completed", message))
+    elif workload_error is not None:
+        phase = "Failed"
+        message = (f"{workload_error.message} (reported by the training driver of attempt {attempt}; "
+                   f"not restarted: the same input would fail again)")
+        conditions.append(_condition(FAILED, True, workload_error.reason, message))
     elif o.validation_failed(ray_job):
         phase = "Failed"
         message = f"KubeRay rejected RayJob {ray_job['metadata']['name']}: {o.failure_reason(ray_job)}"
@@ -146,15 +184,21 @@ def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] 
     elif spec.suspend:
         done = o.deployment_status(ray_job) == o.DEPLOYMENT_SUSPENDED or ray_job is None or o.failed(ray_job)
         phase = "Suspended"
-        message = ("suspended: the Ray cluster is gone; set spec.suspend to false to resume from the "
-                   "newest checkpoint" if done else
-                   "suspending: KubeRay is stopping the Ray job and deleting the cluster")
-        conditions.append(_condition(SUSPENDED, True, "Suspended" if done else "Suspending", message))
+        if done:
+            reason, message = "Suspended", ("suspended: the Ray cluster is gone; set spec.suspend to false to "
+                                            "resume from the newest checkpoint")
+        elif suspend_wait:
+            reason, message = "Checkpointing", suspend_wait
+        else:
+            reason, message = "Suspending", "suspending: KubeRay is deleting the Ray cluster"
+        conditions.append(_condition(SUSPENDED, True, reason, message))
     elif ray_job is None:
         phase, message = "Pending", f"creating RayJob {ray_job_name(job, attempt)}"
     elif init_failure:
         phase, message = "Staging", init_failure
         conditions.append(_condition(STAGED, False, "StageFailed", init_failure))
+    elif cannot_start:
+        phase, message = "Starting", cannot_start[1]
     elif o.deployment_status(ray_job) == o.DEPLOYMENT_RUNNING:
         phase, message = "Running", f"training (attempt {attempt})"
         conditions.append(_condition(RUNNING, True, "RayJobRunning",
@@ -169,13 +213,17 @@ def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] 
     # --- conditions every phase reports -------------------------------------------------
     types = {c["type"] for c in conditions}
     if STAGED not in types:
-        if pods and _staging(pods) is None and not init_failure:
-            conditions.append(_condition(STAGED, True, "Staged", "model, data and checkpoint are in every pod"))
-        else:
+        if not pods:
             conditions.append(_condition(STAGED, None, "NoPods", "no Ray pods yet"))
+        elif (staging := _staging(pods)) is not None:
+            conditions.append(_condition(STAGED, False, "Staging", staging))
+        else:
+            conditions.append(_condition(STAGED, True, "Staged", "model, data and checkpoint are in every pod"))
     if cluster_state == "ready":
         conditions.append(_condition(CLUSTER_READY, True, "RayClusterReady",
                                      f"RayCluster {ray_cluster['metadata']['name']}: {running_pods} pods running"))
+    elif cannot_start:
+        conditions.append(_condition(CLUSTER_READY, False, cannot_start[0], cannot_start[1]))
     else:
         why = _unscheduled(pods) or (f"RayCluster {ray_cluster['metadata']['name']} is "
                                      f"{cluster_state or 'starting'}: {running_pods}/{expected_pods} pods running"

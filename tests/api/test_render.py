@@ -4,6 +4,7 @@ the Kubernetes OpenAPI schemas, and carries the security and placement propertie
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,13 @@ def _by_kind(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {o["kind"]: o for o in objects}
 
 
+def _ray_resources(group: dict[str, Any]) -> dict[str, int]:
+    """The custom resources a worker group's `ray start` gets, after bash has parsed the command
+    line KubeRay builds from rayStartParams (`ray start --resources=<value>`)."""
+    flag, = shlex.split(f"--resources={group['rayStartParams']['resources']}")
+    return json.loads(flag.removeprefix("--resources="))
+
+
 def _pods(ray_job: dict[str, Any]) -> dict[str, dict[str, Any]]:
     cluster = ray_job["spec"]["rayClusterSpec"]
     pods = {"head": cluster["headGroupSpec"]["template"]["spec"]}
@@ -109,11 +117,14 @@ def test_cli_render_reports_the_field_and_exits_non_zero(tmp_path, capsys):
     assert "spec.rollout.tensorParallelSize" in err and "must divide" in err
 
 
-def test_workload_identity_may_only_patch_its_own_status():
+def test_workload_identity_may_only_patch_its_own_status_and_read_its_own_job():
     objs = _by_kind(render_manifest(minimal_manifest("job-a")))
     assert objs["Role"]["rules"] == [{
         "apiGroups": ["kuberl.dev"], "resources": ["rltrainingjobs/status"],
         "resourceNames": ["job-a"], "verbs": ["patch"],
+    }, {
+        "apiGroups": ["kuberl.dev"], "resources": ["rltrainingjobs"],
+        "resourceNames": ["job-a"], "verbs": ["get"],
     }]
     assert objs["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": "job-a-workload",
                                                "namespace": "default"}]
@@ -140,6 +151,8 @@ def test_model_credentials_reach_only_init_containers():
     for role, pod in pods.items():
         stage = {c["name"]: c for c in pod["initContainers"]}
         assert stage["stage-model"]["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+        # A failed staging's error reaches status (the operator quotes the termination message).
+        assert {c["terminationMessagePolicy"] for c in stage.values()} == {"FallbackToLogsOnError"}
         for container in pod["containers"]:
             secrets = [e["secretRef"]["name"] for e in container.get("envFrom", [])]
             # Checkpoint credentials on the trainers alone: each rank uploads its own shards.
@@ -170,7 +183,7 @@ def test_gpu_requests_groups_and_guaranteed_qos_for_numa():
     groups = {g["groupName"]: g for g in ray_job["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
     assert set(groups) == {"trainer", "rollout"}
     assert groups["trainer"]["replicas"] == 2
-    assert json.loads(groups["rollout"]["rayStartParams"]["resources"]) == {"kuberl_rollout": 4}
+    assert _ray_resources(groups["rollout"]) == {"kuberl_rollout": 4}
     for group in groups.values():
         (container,) = group["template"]["spec"]["containers"]
         res = container["resources"]
@@ -183,7 +196,7 @@ def test_colocated_job_has_no_rollout_group():
     ray_job = _by_kind(render_manifest(manifest))["RayJob"]
     (group,) = ray_job["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     assert group["groupName"] == "trainer"
-    assert json.loads(group["rayStartParams"]["resources"]) == {"kuberl_trainer": 8, "kuberl_rollout": 8}
+    assert _ray_resources(group) == {"kuberl_trainer": 8, "kuberl_rollout": 8}
 
 
 def test_checkpoints_are_never_staged_ranks_restore_from_the_uri():
@@ -221,7 +234,7 @@ def test_config_map_holds_the_run_plan_the_ray_job_was_rendered_from(example):
     groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
     assert 1 + sum(g["replicas"] for g in groups.values()) == plan.topology.expected_pods
     for name, group in groups.items():
-        assert json.loads(group["rayStartParams"]["resources"]) == plan.topology.group_resources[name]
+        assert _ray_resources(group) == plan.topology.group_resources[name]
     # GPUs: what the trainer ranks and engines ask Ray for is exactly what the pods have.
     trainer_gpus = int(groups["trainer"]["rayStartParams"]["num-gpus"])
     engine_gpus = plan.topology.engines * plan.topology.gpus_per_engine
@@ -230,6 +243,21 @@ def test_config_map_holds_the_run_plan_the_ray_job_was_rendered_from(example):
         assert engine_gpus == 0 and "rollout" not in groups
     else:
         assert engine_gpus == plan.topology.rollout_pods * int(groups["rollout"]["rayStartParams"]["num-gpus"])
+
+
+def test_in_a_ray_job_ranks_and_engines_reserve_their_slot_not_a_cpu():
+    """A pod that requests fewer CPUs than it runs processes still starts them all: Kubernetes
+    accounts the pod's CPUs, Ray's CPUs there are left to reward workers."""
+    manifest = minimal_manifest()
+    manifest["spec"]["trainer"] = {"gpusPerReplica": 0, "processesPerReplica": 2, "resources": {"cpu": "1", "memory": "2Gi"}}
+    plan = plans.for_cluster(validate_manifest(manifest))
+    topo = plan.topology
+    advertised = {**topo.group_resources["trainer"], "CPU": 1.0}
+    assert topo.slot_reservation(topo.trainer_resource, advertised) == {"num_cpus": 0, "resources": {topo.trainer_resource: 1}}
+    assert topo.slot_reservation(topo.trainer_resource, {"CPU": 4.0}) == {"num_cpus": 1}
+    ray_job = _by_kind(render(validate_manifest(manifest)))["RayJob"]
+    trainer, = [g for g in ray_job["spec"]["rayClusterSpec"]["workerGroupSpecs"] if g["groupName"] == "trainer"]
+    assert _ray_resources(trainer) == {topo.trainer_resource: 2}
 
 
 def _source_files() -> str:
@@ -302,3 +330,13 @@ def test_head_stages_the_model_without_weights_and_revision_travels_in_the_uri()
     assert trainer == ["stage", "--exclude", "*.py", "hf://Qwen/Qwen2.5-1.5B-Instruct@v1.1", "/kuberl/model"]
     assert head[:3] == ["stage", "--exclude", "*.safetensors"] and "*.bin" in head
     assert head[-2:] == ["hf://Qwen/Qwen2.5-1.5B-Instruct@v1.1", "/kuberl/model"]
+
+
+def test_cpu_limit_none_leaves_the_cpu_limit_off_and_the_memory_limit_on():
+    manifest = minimal_manifest()
+    manifest["spec"]["head"] = {"resources": {"cpu": "250m", "memory": "3Gi", "cpuLimit": "none"}}
+    pods = _pods(_by_kind(render(validate_manifest(manifest)))["RayJob"])
+    head = pods["head"]["containers"][0]["resources"]
+    assert head == {"requests": {"cpu": "250m", "memory": "3Gi"}, "limits": {"memory": "3Gi"}}
+    trainer = pods["trainer"]["containers"][0]["resources"]
+    assert trainer["limits"]["cpu"] == trainer["requests"]["cpu"]  # the default: Guaranteed QoS

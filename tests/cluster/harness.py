@@ -487,7 +487,7 @@ class Cluster:
                 cgroup_procs=self.session_cgroup.procs_files(f"{node.cgroup}/runtime"),
             )
             _wait(f"containerd of {node.name}", lambda node=node: _ctr_ok(node), 60, [containerd], interval=0.2)
-            self._import(node, images.PAUSE_IMAGE, images.PAUSE_IMAGE)
+            self._import([node], images.PAUSE_IMAGE, images.PAUSE_IMAGE)
         for i, node in enumerate(self.real_nodes):
             config = node.write_kubelet_config(self.session_cgroup.name, self.ca.pair.cert, self.ports[f"kubelet-healthz-{i}"])
             self._spawn(
@@ -503,6 +503,12 @@ class Cluster:
                     "--v=1",
                 ],
             )
+            # One at a time: every kubelet binds /var/lib/kubelet/device-plugins/kubelet.sock
+            # (a fixed path, whatever --root-dir says), and two starting together can both find it
+            # taken ("address already in use").
+            healthz = f"http://127.0.0.1:{self.ports[f'kubelet-healthz-{i}']}/healthz"
+            _wait(f"kubelet of {node.name} /healthz", lambda healthz=healthz: _http_ok(healthz), 60,
+                  list(self.processes), interval=0.2)
         proxy_config = self.workdir / "kube-proxy.json"
         proxy_config.write_text(json.dumps(realnodes.kube_proxy_config(
             self.kubeconfigs["kube-proxy"], self.real_nodes[0].name,
@@ -524,31 +530,35 @@ class Cluster:
         proxy = f"http://127.0.0.1:{self.ports['kube-proxy-healthz']}/healthz"
         _wait("kube-proxy /healthz", lambda: _http_ok(proxy), 60, watch)
 
-    def _import(self, node: "realnodes.RealNode", image: str, name: str) -> None:
-        if name in self._imported[node.name]:
+    def _import(self, nodes: list["realnodes.RealNode"], image: str, name: str) -> None:
+        nodes = [node for node in nodes if name not in self._imported[node.name]]
+        if not nodes:
             return
-        images.import_into(node.ctr(), image, name, self.log_dir / f"import-{node.name}.log")
-        self._imported[node.name].add(name)
+        images.check_room_for_import(image, len(nodes), self.workdir)
+        images.import_into([node.ctr() for node in nodes], image, name,
+                           [self.log_dir / f"import-{node.name}.log" for node in nodes])
+        for node in nodes:
+            self._imported[node.name].add(name)
+
+    def _nodes_named(self, node_names: list[str] | None) -> list["realnodes.RealNode"]:
+        return [node for node in self.real_nodes if node_names is None or node.name in node_names]
 
     def load_images(self, names: tuple[str, ...] = images.NAMES, node_names: list[str] | None = None) -> dict[str, float]:
         """Build images/<name> (cached) and import each into the real nodes' containerd as
-        ghcr.io/kuberl/<name>:<version>; returns seconds per step (build and import)."""
+        ghcr.io/kuberl/<name>:<version>, into all nodes at once; returns seconds per step (build
+        and import)."""
         times = {f"build {k}": v for k, v in images.build(names).items()}
-        for node in self.real_nodes:
-            if node_names is not None and node.name not in node_names:
-                continue
-            for name in names:
-                began = time.monotonic()
-                self._import(node, images.local_tag(name), images.public_name(name))
-                times[f"import {name} into {node.name}"] = time.monotonic() - began
+        nodes = self._nodes_named(node_names)
+        for name in names:
+            began = time.monotonic()
+            self._import(nodes, images.local_tag(name), images.public_name(name))
+            times[f"import {name} into {len(nodes)} nodes"] = time.monotonic() - began
         return times
 
     def load_base(self, node_names: list[str] | None = None) -> str:
         """Import the local Debian base (python3, no kuberl) into the real nodes; returns its name."""
         images.build((), base=True)
-        for node in self.real_nodes:
-            if node_names is None or node.name in node_names:
-                self._import(node, images.base_tag(), images.base_tag())
+        self._import(self._nodes_named(node_names), images.base_tag(), images.base_tag())
         return images.base_tag()
 
     def serve_in_network(self, name: str, argv: list[str], port: int, namespace: str, env: dict[str, str] | None = None) -> str:

@@ -297,16 +297,54 @@ def missing_images(names: tuple[str, ...] = NAMES) -> list[str]:
     return [n for n, tag in [("base", base_tag()), ("pause", PAUSE_IMAGE), *((n, local_tag(n)) for n in names)] if not image_exists(tag)]
 
 
-def import_into(ctr: list[str], image: str, name: str, log: Path) -> None:
-    """Stream podman's `image` into a containerd (argv prefix `ctr`) as `name`."""
+def image_size(tag: str) -> int:
+    out = subprocess.run(podman_argv("image", "inspect", "--format", "{{.Size}}", tag), capture_output=True, text=True)
+    return int(out.stdout.strip() or 0)
+
+
+def check_room_for_import(tag: str, nodes: int, directory: Path) -> None:
+    """Each node's containerd keeps an imported image twice (its layers, and them unpacked): fail
+    before an import would fill the disk. A full disk does not just fail the import: the nodes'
+    kubelets then reclaim space by deleting images nothing can pull back (the pause image among
+    them), and every pod after that fails to start."""
+    need = 2 * nodes * image_size(tag)
+    free = shutil.disk_usage(directory).free
+    # Keep a tenth of the need spare for pods' logs and emptyDirs.
+    if free < need * 1.1:
+        raise ImageError(f"importing {tag} into {nodes} node(s) needs about {need / 2**30:.1f} GiB under {directory}; "
+                         f"{free / 2**30:.1f} GiB are free. Free some space (old /tmp/kuberl-cluster-* directories "
+                         f"of killed runs, `podman --root {storage_dir()} image prune`), or use fewer real nodes.")
+
+
+def import_into(ctrs: list[list[str]], image: str, name: str, logs: list[Path]) -> None:
+    """Stream podman's `image` into containerds (one argv prefix `ctr` each, log beside it) as
+    `name`: one `podman save` feeds them all at once, since the save (re-reading every layer of a
+    7 GB image) costs as much as an import."""
     if image != name:
         subprocess.run(podman_argv("tag", image, name), check=True, capture_output=True)
     save = subprocess.Popen(podman_argv("save", "--format=docker-archive", name), stdout=subprocess.PIPE,
-                            stderr=log.open("a"))
-    _run([*ctr, "-n", "k8s.io", "images", "import", "-"], log, f"importing {name} into containerd",
-         stdin=save.stdout)
-    if save.wait() != 0:
-        raise ImageError(f"podman save {name} failed; log {log}")
+                            stderr=logs[0].open("a"))
+    imports = []
+    for ctr, log in zip(ctrs, logs):
+        argv = [*ctr, "-n", "k8s.io", "images", "import", "-"]
+        with log.open("a") as out:
+            out.write(f"$ {' '.join(argv)}\n")
+        imports.append((subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log.open("a"), stderr=subprocess.STDOUT), log))
+    try:
+        while chunk := save.stdout.read(1 << 20):
+            for proc, _ in imports:
+                proc.stdin.write(chunk)
+    except BrokenPipeError:  # an import died: its exit status and log say why
+        save.kill()
+    finally:
+        for proc, _ in imports:
+            try:
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+    failed = [str(log) for proc, log in imports if proc.wait() != 0]
+    if save.wait() != 0 or failed:
+        raise ImageError(f"importing {name} into containerd failed; logs {', '.join(failed) or logs[0]}")
 
 
 __all__ = ["ImageError", "NAMES", "PAUSE_IMAGE", "build", "import_into", "local_tag", "missing_images", "public_name"]

@@ -76,6 +76,20 @@ def host_tools_missing() -> list[str]:
 # -- the network namespace ---------------------------------------------------------------------
 
 
+def host_resolvers(resolv_conf: Path = Path("/etc/resolv.conf")) -> list[str]:
+    """The host's IPv4 name servers other than loopback's. Components in the namespace read the
+    host's resolv.conf, as KubeRay's operator does to reach a head Service by name: these addresses
+    are the namespace's own there, where CoreDNS (listening on all of them) answers with the
+    cluster's names. Loopback ones need nothing: CoreDNS has all of 127/8 already."""
+    servers = []
+    for line in resolv_conf.read_text().splitlines() if resolv_conf.exists() else []:
+        fields = line.split()
+        if len(fields) >= 2 and fields[0] == "nameserver" and fields[1].count(".") == 3 \
+                and not fields[1].startswith("127.") and fields[1] not in servers:
+            servers.append(fields[1])
+    return servers
+
+
 class Network:
     """The session's network namespace `kuberl-<pid>-<id>`: loopback, an interface with the API
     server's, nodes' and CoreDNS's addresses, forwarding on."""
@@ -91,7 +105,7 @@ class Network:
         _run("ip", "link", "set", "lo", "up", netns=ns)
         # A bridge without ports as the holder of the addresses (this kernel has no `dummy`).
         _run("ip", "link", "add", "kuberl0", "type", "bridge", netns=ns)
-        for address in (API_ADDRESS, DNS_ADDRESS, *self.node_ips):
+        for address in (API_ADDRESS, DNS_ADDRESS, *self.node_ips, *host_resolvers()):
             _run("ip", "addr", "add", f"{address}/32", "dev", "kuberl0", netns=ns)
         _run("ip", "link", "set", "kuberl0", "up", netns=ns)
         # Pod to pod and pod to Service traffic is routed by this namespace.

@@ -11,7 +11,7 @@ import pytest
 
 from tests.cluster.components import KUBERNETES_VERSION
 from tests.cluster.helpers import apply, get_json, wait_for
-from tests.cluster.nodes import REAL_NODE_LABEL
+from tests.cluster.nodes import CLUSTER_DOMAIN, REAL_NODE_LABEL
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_nodes]
 
@@ -129,7 +129,8 @@ def test_a_pod_reaches_a_pod_on_the_other_node_through_a_service_dns_name(real_c
           "-n", real_namespace)
     wait_succeeded(real_cluster, real_namespace, "client")
     log = real_cluster.kubectl("logs", "client", "-n", real_namespace).stdout
-    assert log.strip() == "hello from web"
+    # The last line: before it, "retry: ..." lines while the server was still starting.
+    assert log.strip().splitlines()[-1] == "hello from web", log
     pods = {p["metadata"]["name"]: p for p in get_json(real_cluster, "pods", "-n", real_namespace)["items"]}
     assert pods["web"]["spec"]["nodeName"] != pods["client"]["spec"]["nodeName"]
     assert pods["web"]["status"]["podIP"].startswith("10.244.")
@@ -149,3 +150,27 @@ def test_on_the_host_the_cluster_listens_only_on_loopback(real_cluster):
     assert {c.pid for c in listening} == {forward.pid}
     # The API server answers on its forwarded port, from the host.
     assert real_cluster.kubectl("get", "--raw", "/readyz").stdout.strip() == "ok"
+
+
+def test_components_in_the_namespace_resolve_services_through_the_hosts_resolv_conf(real_cluster):
+    """KubeRay's operator reaches a RayJob's head Service by its DNS name, as in a real cluster
+    where it runs as a pod: its lookups (to the host's name servers) are answered by CoreDNS."""
+    import subprocess
+
+    from tests.cluster.nodes import host_resolvers
+
+    assert host_resolvers(), "this machine's /etc/resolv.conf names no IPv4 name server to stand in for"
+    name = f"kubernetes.default.svc.{CLUSTER_DOMAIN}"
+    out = subprocess.run(["ip", "netns", "exec", real_cluster.network.name, "getent", "hosts", name],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split()[0] == "10.0.0.1", out
+
+
+def test_host_resolvers_reads_ipv4_name_servers_other_than_loopback(tmp_path):
+    from tests.cluster.nodes import host_resolvers
+
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("search x\nnameserver 10.255.255.53\nnameserver 127.0.0.53\nnameserver fd00::1\n"
+                    "nameserver 10.255.255.53\n")
+    assert host_resolvers(conf) == ["10.255.255.53"]
+    assert host_resolvers(tmp_path / "absent") == []

@@ -56,11 +56,28 @@ def test_workload_identity_patches_its_own_status_only(crd, tmp_path):
     assert status["lastCheckpoint"]["uri"] == "s3://ckpt/mine/step-000000003"
     printed = cluster.kubectl("get", "rltj", "mine", "-n", ns).stdout
     assert "0.25" in printed and " 3 " in printed
+    # An error in the job's own input, as the CRD's schema takes it.
+    from kuberl.train.report import user_errors_reported
+    from kuberl.train.rewards import RewardError
+
+    with pytest.raises(RewardError), user_errors_reported(reporter, attempt=0):
+        raise RewardError("spec.reward.function failed: TypeError('not a list')")
+    status = json.loads(cluster.kubectl("get", "rltj", "mine", "-n", ns, "-o", "json").stdout)["status"]
+    assert status["workloadError"]["reason"] == "RewardFunctionFailed" and status["workloadError"]["attempt"] == 0
+    assert status["workloadError"]["message"] == "spec.reward.function failed: TypeError('not a list')"
+
+    # It reads its own job's spec.suspend (to checkpoint before a suspend).
+    assert reporter.suspend_requested() is False
+    cluster.kubectl("patch", "rltj", "mine", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    assert reporter.suspend_requested() is True
 
     # The same token cannot touch another job's status, nor the job's spec.
     other = KubernetesStatusReporter(cluster.server, ns, "other", token, cluster.ca.pair.cert)
     with pytest.raises(urllib.error.HTTPError) as info:
         other._send({"progress": {"step": 1}})
+    assert info.value.code == 403
+    with pytest.raises(urllib.error.HTTPError) as info:
+        other._request(other.job_url)
     assert info.value.code == 403
     denied = cluster.kubectl("auth", "can-i", "patch", "rltrainingjobs/mine", "-n", ns,
                              f"--as=system:serviceaccount:{ns}:mine-workload", check=False).stdout.strip()

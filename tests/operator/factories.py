@@ -38,9 +38,10 @@ def ray_job(name: str, attempt: int = 0, deployment: str = "", job_status: str =
 
 
 def pod(name: str, phase: str = "Running", init: list[dict[str, Any]] | None = None,
-        conditions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        conditions: list[dict[str, Any]] | None = None, containers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"metadata": {"name": name, "labels": {"ray.io/cluster": "tiny-abc"}},
-            "status": {"phase": phase, "initContainerStatuses": init or [], "conditions": conditions or []}}
+            "status": {"phase": phase, "initContainerStatuses": init or [], "containerStatuses": containers or [],
+                       "conditions": conditions or []}}
 
 
 def ray_cluster(state: str = "ready") -> dict[str, Any]:

@@ -65,6 +65,24 @@ def test_no_restart_left_is_failed_and_nothing_is_created():
     assert any(e.reason == "Failed" and e.type == "Warning" for e in plan.events)
 
 
+def test_an_input_error_the_driver_reported_fails_the_job_without_a_restart():
+    """A reward function that raises fails again on restart: the job fails at once, naming it."""
+    error = {"attempt": 0, "reason": "RewardFunctionFailed", "time": "2026-01-01T11:59:50Z",
+             "message": "spec.reward.function failed: TypeError('the JSON object must be str, not list')"}
+    failed = ray_job("tiny", deployment="Failed", job_status="FAILED", reason="AppFailed",
+                     endTime="2026-01-01T11:59:55Z")
+    plan = next_action(job(status={"workloadError": error}), observed(failed), NOW + timedelta(hours=1), SETTINGS)
+    assert plan.apply == [] and plan.status["restarts"] == 0
+    assert plan.status["phase"] == "Failed"
+    cond = {c["type"]: c for c in plan.status["conditions"]}["Failed"]
+    assert cond["status"] == "True" and cond["reason"] == "RewardFunctionFailed"
+    assert "TypeError('the JSON object must be str, not list')" in cond["message"]
+    # An earlier attempt's report says nothing about this attempt: it restarts as usual.
+    failed_r1 = ray_job("tiny-r1", attempt=1, deployment="Failed", job_status="FAILED", endTime="2026-01-01T11:00:00Z")
+    plan = next_action(job(status={"workloadError": error, "restarts": 1}), observed(failed_r1), NOW, SETTINGS)
+    assert plan.status["restarts"] == 2 and plan.apply
+
+
 def test_stale_status_never_deletes_the_running_attempt():
     # The cached status still says restarts=0 but tiny-r1 exists: the attempt is 1, tiny (0) is stale.
     old = ray_job("tiny", deployment="Failed")
@@ -82,6 +100,30 @@ def test_suspend_and_resume_patch_the_rayjob():
     assert plan.suspend == ("tiny", False)
     created = next_action(job(suspend=True), observed(), NOW, SETTINGS)
     assert created.apply[-1]["spec"]["suspend"] is True
+
+
+def test_suspend_waits_for_the_drivers_checkpoint_of_its_last_step_then_takes_the_cluster():
+    """KubeRay deletes a suspended RayJob's cluster without stopping the Ray job: the operator
+    waits until the driver (which reads spec.suspend after each step) has checkpointed."""
+    running = ray_job("tiny", deployment="Running")
+    progress = {"progress": {"step": 13, "totalSteps": 20}}
+    status = {**CHECKPOINT, **progress}
+    plan = next_action(job(suspend=True, checkpoint={"uri": ROOT}, status=status), observed(running), NOW, SETTINGS)
+    assert plan.suspend is None and plan.requeue_after == SETTINGS.suspend_poll_seconds
+    cond = {c["type"]: c for c in plan.status["conditions"]}["Suspended"]
+    assert cond["reason"] == "Checkpointing" and "checkpoint step 13" in cond["message"]
+    # The checkpoint of step 13 is in: the cluster may go.
+    saved = {"lastCheckpoint": {**CHECKPOINT["lastCheckpoint"], "step": 13}, **progress}
+    plan = next_action(job(suspend=True, checkpoint={"uri": ROOT}, status=saved), observed(running), NOW, SETTINGS)
+    assert plan.suspend == ("tiny", True)
+    # No driver answer within the timeout: suspended anyway.
+    waited = {**status, "conditions": [{"type": "Suspended", "status": "True", "reason": "Checkpointing",
+                                        "message": "", "lastTransitionTime": "2026-01-01T11:00:00Z"}]}
+    plan = next_action(job(suspend=True, checkpoint={"uri": ROOT}, status=waited), observed(running), NOW, SETTINGS)
+    assert plan.suspend == ("tiny", True)
+    # Nothing to wait for without a checkpoint.uri.
+    plan = next_action(job(suspend=True, status=status), observed(running), NOW, SETTINGS)
+    assert plan.suspend == ("tiny", True)
 
 
 def test_suspended_failed_job_is_not_restarted():

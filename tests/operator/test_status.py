@@ -121,3 +121,39 @@ def test_expected_pods_come_from_the_run_plan():
                     weightSync={"method": "nccl"})
     status = status_of(colocated, ray_job("tiny", deployment="Initializing"), ray_cluster(""), [], NOW)
     assert "0/3 pods running" in status["message"]  # head + 2 trainer pods, no rollout pods
+
+
+def test_a_container_kubelet_cannot_start_names_the_secret_or_image():
+    no_secret = pod("tiny-abc-head-x", phase="Pending", init=[{
+        "name": "stage-model",
+        "state": {"waiting": {"reason": "CreateContainerConfigError", "message": 'secret "s3" not found'}}}])
+    status = status_of(job(), ray_job("tiny", deployment="Initializing"), ray_cluster(""), [no_secret], NOW)
+    cond = conditions(status)
+    assert status["phase"] == "Starting"
+    assert status["message"] == ('container stage-model in pod tiny-abc-head-x cannot start: '
+                                 'CreateContainerConfigError: secret "s3" not found')
+    assert cond["ClusterReady"]["reason"] == "ContainerConfigError" and cond["ClusterReady"]["message"] == status["message"]
+    assert cond["Staged"]["status"] == "False"
+
+    no_image = pod("tiny-abc-trainer-x", phase="Pending", containers=[{
+        "name": "ray-trainer", "state": {"waiting": {
+            "reason": "ErrImageNeverPull",
+            "message": 'Container image "ghcr.io/kuberl/worker-cpu:nope" is not present with pull policy of Never'}}}])
+    status = status_of(job(), ray_job("tiny", deployment="Initializing"), ray_cluster(""), [no_image], NOW)
+    assert conditions(status)["ClusterReady"]["reason"] == "ImageUnavailable"
+    assert 'ghcr.io/kuberl/worker-cpu:nope" is not present' in status["message"]
+
+
+def test_a_failed_ray_jobs_20000_characters_of_log_become_one_line_and_its_last_error():
+    """KubeRay quotes the driver's log in status.message; the operator repeats only what failed."""
+    from kuberl_operator.observed import FAILURE_REASON_CHARS, failure_reason
+
+    log = ("Job entrypoint command failed with exit code 1, last available logs (truncated to 20,000 chars):\n"
+           + "    work.wait()\n" * 2000
+           + "RuntimeError: [pair.cc:553] Connection closed by peer [10.244.0.18]:50072. 🏖️\n"
+           + "\x1b[36m(RolloutEngine pid=116)\x1b[0m Traceback (most recent call last):\n"
+           + "\x1b[36m(RolloutEngine pid=116)\x1b[0m ValueError: ignored in __del__\n")
+    reason = failure_reason(ray_job("tiny", deployment="Failed", job_status="FAILED", message=log))
+    assert reason == ("FAILED: Job entrypoint command failed with exit code 1; last error: RuntimeError: "
+                      "[pair.cc:553] Connection closed by peer [10.244.0.18]:50072. 🏖️")
+    assert len(failure_reason(ray_job("t", job_status="FAILED", message="x" * 5000))) <= FAILURE_REASON_CHARS + 8

@@ -29,7 +29,7 @@ def test_fsdp2_trainer_group_sync_matches_engine(pool, tiny_model):
 
     spec = make_spec(tiny_model, method="nccl")
     spec = spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"processes_per_replica": 2})})
-    group = TrainerGroup(spec, local_plan(spec), num_cpus_per_worker=0)
+    group = TrainerGroup(spec, local_plan(spec))
     try:
         sync = make_weight_sync(spec, group, pool)
         sync.setup()

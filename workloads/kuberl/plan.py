@@ -13,7 +13,7 @@ A plan is data, not code: pydantic, strict, loaded with ``read`` from the YAML t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict
@@ -60,6 +60,19 @@ class Topology(Frozen):
     rollout_resource: str = ROLLOUT_RESOURCE
     # Per worker group: the custom Ray resources its pods advertise (rayStartParams.resources).
     group_resources: dict[str, dict[str, int]]
+
+    def slot_reservation(self, resource: str, available: dict[str, float]) -> dict[str, Any]:
+        """What one trainer rank or engine asks Ray for, besides GPUs.
+
+        In a RayJob its group's pods advertise ``resource`` (one unit per process slot), and the
+        slot is the whole reservation: the pod's CPUs are Kubernetes' to account (its requests),
+        and Ray's CPUs there (``num-cpus``, the request's whole CPUs) are left to reward workers.
+        Reserving a CPU per rank as well would leave a pod that requests fewer CPUs than it runs
+        processes with ranks that never start. On a local Ray there are no slots: one logical CPU
+        each (``kuberl train`` gives Ray enough of them)."""
+        if available.get(resource, 0) > 0:
+            return {"num_cpus": 0, "resources": {resource: 1}}
+        return {"num_cpus": 1}
 
 
 class Paths(Frozen):

@@ -126,12 +126,13 @@ def _pvc_claims(uris_in_pod: list[str]) -> list[str]:
 
 
 def _resources(res: t.Resources, gpus: int = 0) -> dict[str, Any]:
-    # requests == limits: Guaranteed QoS, which the kubelet's CPU and topology managers need to
-    # give GPU pods whole CPUs on the GPU's NUMA node.
+    # requests == limits by default: Guaranteed QoS, which the kubelet's CPU and topology managers
+    # need to give GPU pods whole CPUs on the GPU's NUMA node.
     amounts: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory}
     if gpus:
         amounts["nvidia.com/gpu"] = gpus
-    return {"requests": dict(amounts), "limits": dict(amounts)}
+    limits = {k: v for k, v in amounts.items() if not (k == "cpu" and res.cpu_limit == "none")}
+    return {"requests": dict(amounts), "limits": limits}
 
 
 def _security_context() -> dict[str, Any]:
@@ -154,6 +155,11 @@ def _tracking_env_from(tracking: t.TrackingSpec) -> list[dict[str, Any]]:
     return [entry for secret in secrets for entry in _env_from(secret)]
 
 
+# A failed init container's last log lines become its termination message, which the operator
+# quotes in status: the error the stager or the data check printed, not just "Error".
+TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
+
+
 def _check_data_container(job: t.RLTrainingJob, name: str, path: str, res: t.Resources,
                           validation: bool) -> dict[str, Any]:
     """Loads the staged data as the driver will: a bad row fails here, before Ray starts."""
@@ -166,6 +172,7 @@ def _check_data_container(job: t.RLTrainingJob, name: str, path: str, res: t.Res
                  path],
         "resources": _resources(res),
         "securityContext": _security_context(),
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
         "volumeMounts": [{"name": "kuberl-stage", "mountPath": STAGE_DIR},
                          {"name": "kuberl-config", "mountPath": CONFIG_DIR, "readOnly": True}],
     }
@@ -186,6 +193,7 @@ def _stage_container(job: t.RLTrainingJob, name: str, src: str, dst: str, secret
         # main containers, so this costs nothing and speeds up parallel downloads.
         "resources": _resources(res),
         "securityContext": _security_context(),
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
         "volumeMounts": [{"name": "kuberl-stage", "mountPath": STAGE_DIR}],
     }
 
@@ -305,6 +313,13 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
     return {"metadata": {"labels": labels(job, role)}, "spec": pod_spec}
 
 
+def ray_start_resources(resources: dict[str, int]) -> str:
+    """rayStartParams.resources as KubeRay wants it: it pastes each value into a bash command line
+    (`ray start --resources=<value>`), so the JSON goes in single quotes, as KubeRay's own code
+    writes it. Bare JSON would reach Ray split at its spaces and stripped of its double quotes."""
+    return f"'{json.dumps(resources)}'"
+
+
 def _cpu_count(quantity: str) -> str:
     """Ray's --num-cpus from a Kubernetes CPU quantity (whole CPUs, at least 1)."""
     if quantity.endswith("m"):
@@ -324,7 +339,7 @@ def _worker_group(job: t.RLTrainingJob, group: str, replicas: int, res: t.Resour
             "num-gpus": str(gpus),
             # A custom resource per process slot places trainer and engine actors on their own
             # group (colocated: engine slots on the trainer pods); counts from the run plan.
-            "resources": json.dumps(plan.topology.group_resources[group]),
+            "resources": ray_start_resources(plan.topology.group_resources[group]),
             "metrics-export-port": str(RAY_METRICS_PORT),
         },
         "template": _pod_template(job, group, res, gpus, plan),
@@ -403,11 +418,18 @@ def render_workload_identity(job: t.RLTrainingJob) -> list[dict[str, Any]]:
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": _metadata(job, name, "workload"),
+            # The driver reports progress to its own job's status, and reads its own job's
+            # spec.suspend to checkpoint before a suspend; nothing else, no other job.
             "rules": [{
                 "apiGroups": [t.GROUP],
                 "resources": [f"{t.PLURAL}/status"],
                 "resourceNames": [job.metadata.name],
                 "verbs": ["patch"],
+            }, {
+                "apiGroups": [t.GROUP],
+                "resources": [t.PLURAL],
+                "resourceNames": [job.metadata.name],
+                "verbs": ["get"],
             }],
         },
         {

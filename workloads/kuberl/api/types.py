@@ -322,8 +322,13 @@ class AlgorithmSpec(APIModel):
 
 
 class Resources(APIModel):
-    cpu: str = Field("8", pattern=QUANTITY_PATTERN, description="CPU request and limit per pod.")
+    cpu: str = Field("8", pattern=QUANTITY_PATTERN, description="CPU request (and limit, see cpuLimit) per pod.")
     memory: str = Field("64Gi", pattern=QUANTITY_PATTERN, description="Memory request and limit per pod.")
+    cpu_limit: Literal["request", "none"] = Field(
+        "request", description="request: the CPU limit equals the request (Guaranteed QoS, which the "
+                               "kubelet's static CPU manager needs to pin GPU pods to their NUMA node); "
+                               "none: no CPU limit (Burstable), for small or shared CPU clusters where a "
+                               "throttled Ray head misses its health probes.")
 
 
 class MoESpec(APIModel):
@@ -637,6 +642,18 @@ class CheckpointRef(APIModel):
     time: datetime
 
 
+class WorkloadError(APIModel):
+    """Written by the training driver when the job's own input is at fault (a reward function that
+    raises, data that does not parse): retrying cannot help, so the operator fails the job with
+    this reason instead of restarting it."""
+
+    attempt: int = Field(ge=0, description="The attempt (status.restarts) that hit the error.")
+    reason: str = Field(max_length=64, pattern=r"^[A-Z][A-Za-z0-9]*$",
+                        description="CamelCase cause, e.g. RewardFunctionFailed or DataInvalid.")
+    message: str = Field(max_length=4096, description="What failed and what to fix.")
+    time: datetime
+
+
 class RLTrainingJobStatus(APIModel):
     phase: Phase | None = None
     conditions: list[Condition] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
@@ -646,6 +663,7 @@ class RLTrainingJobStatus(APIModel):
     dashboard_url: str | None = Field(None, alias="dashboardURL", max_length=2048)
     progress: Progress | None = None
     last_checkpoint: CheckpointRef | None = None
+    workload_error: WorkloadError | None = None
     restarts: int = 0
     message: str | None = Field(None, max_length=32768)
     start_time: datetime | None = None

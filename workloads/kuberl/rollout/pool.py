@@ -46,11 +46,10 @@ class EnginePool:
         count = num_engines if num_engines is not None else topo.engines
         if count < 1:
             raise ValueError(f"num_engines must be at least 1, got {count}")
-        options = {"num_cpus": 1, "num_gpus": topo.gpus_per_engine, "max_concurrency": 1000}
+        options = {"num_gpus": topo.gpus_per_engine, "max_concurrency": 1000,
+                   **topo.slot_reservation(topo.rollout_resource, ray.cluster_resources())}
         if spec.rollout.env:
             options["runtime_env"] = {"env_vars": dict(spec.rollout.env)}
-        if ray.cluster_resources().get(topo.rollout_resource, 0) > 0:
-            options["resources"] = {topo.rollout_resource: 1}
         placements: list[tuple[str | None, list[str] | None]] = [(None, None)] * count
         if topo.colocated and topo.gpus_per_rank:
             placements = colocated_devices(gpu_slots or [], topo.tensor_parallel_size)[:count]

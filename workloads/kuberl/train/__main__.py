@@ -76,7 +76,7 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     from kuberl.train.checkpoint import CheckpointManager
     from kuberl.train.driver import GRPODriver, Preemption
     from kuberl.train.group import TrainerGroup
-    from kuberl.train.report import reporter_from_env
+    from kuberl.train.report import reporter_from_env, user_errors_reported
     from kuberl.train.tracking import make_trackers
 
     spec = job.spec
@@ -94,7 +94,7 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     preemption.install()
     reporter = reporter_from_env()
     start_pod_exporter("head")
-    with contextlib.ExitStack() as stack:
+    with user_errors_reported(reporter, plan.attempt), contextlib.ExitStack() as stack:
         # In a pod these are staged or mounted paths (resolve passes them through); locally URIs.
         model_path = stack.enter_context(resolve(plan.paths.model, revision=plan.paths.model_revision,
                                                  trust_remote_code=spec.model.trust_remote_code))

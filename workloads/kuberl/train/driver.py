@@ -46,6 +46,8 @@ log = logging.getLogger("kuberl.train")
 # Exit codes the operator reads from the RayJob: preempted (SIGTERM) after a checkpoint was written.
 EXIT_OK = 0
 EXIT_PREEMPTED = 75
+# How often a driver held for a suspend asks whether the suspend still stands.
+SUSPEND_POLL_SECONDS = 2.0
 
 
 @dataclass
@@ -158,6 +160,17 @@ class GRPODriver:
         # (kuberl.train.schedule: at most the current step's and, asynchronous, the next one's).
         self._rollouts: dict[int, Future] = {}
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+
+    def _hold_for_suspend(self) -> None:
+        """spec.suspend is true: the step is checkpointed; wait (no next step) while the operator
+        sees the checkpoint in status and has KubeRay delete the cluster, which ends this process.
+        KubeRay itself stops no Ray job before it deletes the cluster. If suspend is withdrawn
+        first, training goes on."""
+        log.info("suspend requested after step %d: %s; waiting for the Ray cluster to go", self.step,
+                 "checkpointed" if self.checkpoints.enabled else "no checkpoint.uri, so nothing saved")
+        while self.reporter.suspend_requested():
+            time.sleep(SUSPEND_POLL_SECONDS)
+        log.info("suspend withdrawn: training on from step %d", self.step)
 
     # --- one step ------------------------------------------------------------------------------
 
@@ -350,10 +363,14 @@ class GRPODriver:
                 interval = self.spec.checkpoint.export_interval_steps
                 if self.exporter is not None and interval and self.step % interval == 0 and self.step < total:
                     self.exporter(self.step)
-                if self.checkpoints.due(self.step) or (self.preemption.requested and self.checkpoints.enabled):
+                suspend = self.step < total and self.reporter.suspend_requested()
+                if self.checkpoints.enabled and (self.checkpoints.due(self.step) or self.preemption.requested
+                                                 or suspend):
                     self.save()
                 if self.preemption.requested:
                     return EXIT_PREEMPTED, results
+                if suspend:
+                    self._hold_for_suspend()
         finally:
             self._background.shutdown(wait=False, cancel_futures=True)
             self.checkpoints.close()

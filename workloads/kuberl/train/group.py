@@ -139,15 +139,14 @@ class TrainerGroup:
     """``plan.paths.model``: a local directory or any model URI ``kuberl.storage.resolve`` accepts
     (s3://, gs://, hf://, pvc://): each rank resolves it on its own node."""
 
-    def __init__(self, spec, plan: RunPlan, *, num_cpus_per_worker: float = 1):
+    def __init__(self, spec, plan: RunPlan):
         from kuberl.train.worker import TrainerConfig
 
         topo = plan.topology
         self.world_size = topo.world_size
         use_gpu = topo.gpus_per_rank > 0
-        resources = ({topo.trainer_resource: 1} if topo.trainer_resource in ray.cluster_resources() else {})
         actor_cls = ray.remote(concurrency_groups={CONCURRENCY_GROUP: 1})(TrainerActor).options(
-            num_cpus=num_cpus_per_worker, num_gpus=topo.gpus_per_rank, resources=resources,
+            num_gpus=topo.gpus_per_rank, **topo.slot_reservation(topo.trainer_resource, ray.cluster_resources()),
             **({"runtime_env": {"env_vars": dict(spec.rollout.env)}} if spec.rollout.env else {}))
         self.actors = [actor_cls.remote() for _ in range(self.world_size)]
         master_addr, master_port = ray.get(self.actors[0].rendezvous.remote())

