@@ -172,7 +172,8 @@ def build_component(go: str, component: Component, log: Path) -> float:
 
         def compile_to(partial: Path) -> None:
             package = "." if component.main_go else component.package
-            _run([go, "build", f"-ldflags={ldflags}", "-o", str(partial), package], workdir, log)
+            tags = [f"-tags={','.join(component.tags)}"] if component.tags else []
+            _run([go, "build", *tags, f"-ldflags={ldflags}", "-o", str(partial), package], workdir, log)
             partial.chmod(0o755)
 
         _atomic_write(target, compile_to)

@@ -27,6 +27,11 @@ KUBERAY_VERSION = "v1.6.2"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.22.0"
 COREDNS_VERSION = "v1.15.0"
+# Prometheus 3.16.0: its Go module numbers 3.x releases v0.3xx.y. Debian's package is built without
+# Kubernetes service discovery, which the documented scrape config of the pods needs.
+PROMETHEUS_VERSION = "v0.316.0"
+# Of all its service discoveries, only Kubernetes' (its build tags): the others pull in cloud SDKs.
+PROMETHEUS_TAGS = ("remove_all_sd", "enable_kubernetes_sd")
 
 # CoreDNS with only the plugins cluster DNS needs: its stock main links every plugin (cloud DNS
 # SDKs included), several minutes more of cold build for code the test cluster never runs.
@@ -83,10 +88,15 @@ class Component:
     # A main package of our own (Go source) built instead of `package`, which then names the
     # package whose module it needs; for a smaller binary than upstream's main links.
     main_go: str | None = None
+    # Go build tags.
+    tags: tuple[str, ...] = ()
 
     @property
     def binary_name(self) -> str:
-        return f"{self.name}-{self.version}"
+        if not self.tags:
+            return f"{self.name}-{self.version}"
+        # Keyed by the tags too: a binary built with other tags is not this one.
+        return f"{self.name}-{self.version}-{hashlib.sha256(','.join(self.tags).encode()).hexdigest()[:8]}"
 
     @property
     def data_name(self) -> str:
@@ -162,6 +172,22 @@ COMPONENTS: dict[str, Component] = {
                 "kustomize/stage/pod/fast/pod-complete.yaml",
                 "kustomize/stage/pod/fast/pod-delete.yaml",
             ),
+        ),
+        Component(
+            name="prometheus",
+            module="github.com/prometheus/prometheus",
+            version=PROMETHEUS_VERSION,
+            package="github.com/prometheus/prometheus/cmd/prometheus",
+            group=f"prometheus-{PROMETHEUS_VERSION}",
+            tags=PROMETHEUS_TAGS,
+        ),
+        Component(
+            name="promtool",
+            module="github.com/prometheus/prometheus",
+            version=PROMETHEUS_VERSION,
+            package="github.com/prometheus/prometheus/cmd/promtool",
+            group=f"prometheus-{PROMETHEUS_VERSION}",
+            tags=PROMETHEUS_TAGS,
         ),
         Component(
             name="helm",

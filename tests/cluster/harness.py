@@ -38,7 +38,7 @@ import yaml
 from tests.cluster import images, pki
 from tests.cluster import nodes as realnodes
 from tests.cluster.build import missing_components
-from tests.cluster.components import binary_path, data_path
+from tests.cluster.components import binary_path, cache_dir, data_path
 from tests.cluster.processes import ComponentExited, Process
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -155,7 +155,9 @@ class Cluster:
             realnodes.RealNode(f"real-node-{i}", i, ip, self.workdir / "nodes" / f"real-node-{i}")
             for i, ip in enumerate(self.network.node_ips if self.network else [])
         ]
-        self._imported: dict[str, set[str]] = {node.name: set() for node in self.real_nodes}
+        # node -> image name -> the local image it was imported from.
+        self._imported: dict[str, dict[str, str]] = {node.name: {} for node in self.real_nodes}
+        self._stores: realnodes.NodeStores | None = None
         self._saved_kernel_tunables: dict[str, str] | None = None
         self.server = f"https://127.0.0.1:{self.ports['apiserver']}"
         self.processes: list[Process] = []
@@ -478,8 +480,12 @@ class Cluster:
     def _start_real_nodes(self) -> None:
         images.build(())
         self._saved_kernel_tunables = realnodes.read_kernel_tunables()
+        self._stores = realnodes.NodeStores.claim(cache_dir())
         for node in self.real_nodes:
             node.directory.mkdir(parents=True, exist_ok=True)
+            if self._stores:
+                node.containerd_root = self._stores.root(node.name)
+                self._stores.scrub(node, images.PAUSE_IMAGE, self.log_dir / f"containerd-scrub-{node.name}.log")
             self.session_cgroup.create(f"{node.cgroup}/runtime")
             config = node.write_containerd_config(images.PAUSE_IMAGE)
             containerd = self._spawn(
@@ -487,6 +493,10 @@ class Cluster:
                 cgroup_procs=self.session_cgroup.procs_files(f"{node.cgroup}/runtime"),
             )
             _wait(f"containerd of {node.name}", lambda node=node: _ctr_ok(node), 60, [containerd], interval=0.2)
+            if self._stores:
+                present = set(subprocess.run([*node.ctr(), "-n", "k8s.io", "images", "ls", "-q"],
+                                             capture_output=True, text=True, check=True).stdout.split())
+                self._imported[node.name] = self._stores.imported(node.name, present)
             self._import([node], images.PAUSE_IMAGE, images.PAUSE_IMAGE)
         for i, node in enumerate(self.real_nodes):
             config = node.write_kubelet_config(self.session_cgroup.name, self.ca.pair.cert, self.ports[f"kubelet-healthz-{i}"])
@@ -531,14 +541,16 @@ class Cluster:
         _wait("kube-proxy /healthz", lambda: _http_ok(proxy), 60, watch)
 
     def _import(self, nodes: list["realnodes.RealNode"], image: str, name: str) -> None:
-        nodes = [node for node in nodes if name not in self._imported[node.name]]
+        nodes = [node for node in nodes if self._imported[node.name].get(name) != image]
         if not nodes:
             return
-        images.check_room_for_import(image, len(nodes), self.workdir)
+        images.check_room_for_import(image, len(nodes), nodes[0].root.parent)
         images.import_into([node.ctr() for node in nodes], image, name,
                            [self.log_dir / f"import-{node.name}.log" for node in nodes])
         for node in nodes:
-            self._imported[node.name].add(name)
+            self._imported[node.name][name] = image
+            if self._stores:
+                self._stores.remember(node.name, self._imported[node.name])
 
     def _nodes_named(self, node_names: list[str] | None) -> list["realnodes.RealNode"]:
         return [node for node in self.real_nodes if node_names is None or node.name in node_names]
@@ -586,6 +598,8 @@ class Cluster:
         for node in self.real_nodes:
             for heavy in ("containerd-root", "containerd-state", "kubelet"):
                 shutil.rmtree(node.directory / heavy, ignore_errors=True)
+        if self._stores:
+            self._stores.release()
         if self._saved_kernel_tunables:
             realnodes.restore_kernel_tunables(self._saved_kernel_tunables)
         self.network.delete()

@@ -21,6 +21,7 @@ namespace.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -301,6 +302,90 @@ def restore_kernel_tunables(saved: dict[str, str]) -> None:
             path.write_text(value)
 
 
+# -- images kept between sessions ----------------------------------------------------------------
+
+
+class NodeStores:
+    """The nodes' containerd roots kept between sessions under `<cache>/node-store/<node>`, so that
+    a warm run finds its images already imported: worker-cpu is 7 GB and takes minutes per node.
+    One session at a time holds them (an flock); a concurrent session gets None from `claim` and
+    imports into throwaway roots as before, rather than a second copy of every image on disk.
+    Delete the directory to give the space back."""
+
+    def __init__(self, directory: Path, lock) -> None:
+        self.directory, self._lock = directory, lock
+
+    @classmethod
+    def claim(cls, cache: Path) -> "NodeStores | None":
+        directory = cache / "node-store"
+        directory.mkdir(parents=True, exist_ok=True)
+        lock = (directory / ".lock").open("w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            return None
+        return cls(directory, lock)
+
+    def root(self, node: str) -> Path:
+        return self.directory / node / "containerd-root"
+
+    def _record(self, node: str) -> Path:
+        return self.directory / node / "imported.json"
+
+    def imported(self, node: str, present: set[str]) -> dict[str, str]:
+        """image name -> the local image it was imported from, for the names still in the node's
+        containerd (`present`; kubelet's image GC may have removed some)."""
+        try:
+            recorded = json.loads(self._record(node).read_text())
+        except (OSError, ValueError):
+            return {}
+        return {name: source for name, source in recorded.items() if name in present}
+
+    def remember(self, node: str, imported: dict[str, str]) -> None:
+        record = self._record(node)
+        partial = record.with_suffix(".partial")
+        partial.write_text(json.dumps(imported, indent=1, sort_keys=True))
+        partial.replace(record)
+
+    def scrub(self, node: RealNode, pause_image: str, log: Path) -> None:
+        """Remove the previous session's containers (its pods and sandboxes, dead with it) from
+        the root, keeping the images, with a containerd whose CRI plugin is off: a CRI that
+        recovered them would hand kubelet sandboxes of pods from another cluster. A root that
+        cannot be scrubbed is dropped whole."""
+        if not (node.root / "io.containerd.metadata.v1.bolt" / "meta.db").exists():
+            return
+        config = node.write_containerd_config(pause_image, cri=False)
+        with log.open("a") as out:
+            daemon = subprocess.Popen(["containerd", f"--config={config}"], stdout=out, stderr=subprocess.STDOUT)
+        scrubbed = False
+        try:
+            deadline = time.monotonic() + 60
+            while subprocess.run([*node.ctr(), "version"], capture_output=True).returncode != 0:
+                if daemon.poll() is not None or time.monotonic() > deadline:
+                    raise NodeError(f"containerd on the kept root of {node.name} did not start; log {log}")
+                time.sleep(0.2)
+            ids = _run(*node.ctr(), "-n", "k8s.io", "containers", "ls", "-q").split()
+            if ids:
+                _run(*node.ctr(), "-n", "k8s.io", "containers", "rm", *ids)
+            scrubbed = True
+        except NodeError as err:
+            with log.open("a") as out:
+                out.write(f"scrub failed, dropping the kept root: {err}\n")
+        finally:
+            daemon.terminate()
+            try:
+                daemon.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+        if not scrubbed:
+            shutil.rmtree(self.directory / node.name, ignore_errors=True)
+
+    def release(self) -> None:
+        self._lock.close()
+
+
 # -- one node ------------------------------------------------------------------------------------
 
 
@@ -310,6 +395,13 @@ class RealNode:
     index: int
     ip: str
     directory: Path
+    # containerd's root (content, snapshots, metadata): a NodeStore's when the session holds the
+    # stores, else the node's own directory, dropped at the end.
+    containerd_root: Path | None = None
+
+    @property
+    def root(self) -> Path:
+        return self.containerd_root or self.directory / "containerd-root"
 
     @property
     def pod_cidr(self) -> str:
@@ -326,7 +418,9 @@ class RealNode:
     def ctr(self) -> list[str]:
         return ["ctr", f"--address={self.socket}"]
 
-    def write_containerd_config(self, pause_image: str) -> Path:
+    def write_containerd_config(self, pause_image: str, cri: bool = True) -> Path:
+        """`cri=False`: containerd without its CRI plugin (NodeStore.scrub), so that nothing
+        recovers the sandboxes being removed."""
         cni = self.directory / "cni"
         cni.mkdir(parents=True, exist_ok=True)
         (cni / "10-kuberl.conflist").write_text(json.dumps({
@@ -346,12 +440,15 @@ class RealNode:
                 {"type": "portmap", "capabilities": {"portMappings": True}},
             ],
         }, indent=2))
-        config = self.directory / "containerd.toml"
-        config.write_text(f"""version = 2
-root = "{self.directory / 'containerd-root'}"
-state = "{self.directory / 'containerd-state'}"
-disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
+        config = self.directory / ("containerd.toml" if cri else "containerd-scrub.toml")
+        disabled = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
                     "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs"]
+        if not cri:
+            disabled.append("io.containerd.grpc.v1.cri")
+        config.write_text(f"""version = 2
+root = "{self.root}"
+state = "{self.directory / 'containerd-state'}"
+disabled_plugins = {json.dumps(disabled)}
 [grpc]
   address = "{self.socket}"
 [ttrpc]

@@ -5,7 +5,8 @@ to S3. Suspended, the driver checkpoints the step it is on and the cluster goes;
 continues from there. A trainer pod is killed mid-run: the operator starts the next attempt from
 the last complete checkpoint, and the steps after it repeat those of an uninterrupted local run
 of the same manifest exactly.
-The job Succeeds with a Hugging Face export that transformers loads; deleted, it leaves nothing."""
+The job Succeeds with a Hugging Face export that transformers loads; deleted, it leaves nothing.
+The real Prometheus, with examples/prometheus/scrape-configs.yaml, scrapes every pod's metrics."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.cluster.harness import REPO_ROOT
 from tests.cluster.helpers import get_json, wait_for
-from tests.e2e.conftest import NAMESPACE, condition, example, record_timing
+from tests.e2e.conftest import NAMESPACE, OPERATOR_NAMESPACE, condition, example, record_timing
+from tests.metrics import prometheus as prom
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_nodes, pytest.mark.slow]
 
@@ -67,6 +70,60 @@ def local_run(product, tmp_path_factory):
     return {"seconds": time.monotonic() - began, "steps": {row["step"]: row for row in rows}}
 
 
+@pytest.fixture(scope="module")
+def prometheus(product, tmp_path_factory):
+    """The real Prometheus with the documented scrape jobs (examples/prometheus/scrape-configs.yaml),
+    run in the cluster's network so that it reaches pod IPs as an in-cluster Prometheus does. It is
+    a process, not a pod, so it discovers through the harness's kubeconfig instead of a
+    ServiceAccount, and scrapes every 2 s instead of 15 s."""
+    binaries = prom.binaries()
+    if binaries is None:
+        pytest.fail(prom.MISSING)
+    jobs = yaml.safe_load((REPO_ROOT / "examples" / "prometheus" / "scrape-configs.yaml").read_text())
+    namespaces = {"kuberl-workers": NAMESPACE, "kuberl-operator": OPERATOR_NAMESPACE}
+    for job in jobs:
+        job.update(scrape_interval="2s", scrape_timeout="2s")
+        for discovery in job["kubernetes_sd_configs"]:
+            discovery.update(namespaces={"names": [namespaces[job["job_name"]]]},
+                             kubeconfig_file=str(product.cluster.kubeconfig))
+    server = prom.PrometheusServer(*binaries, tmp_path_factory.mktemp("prometheus"), jobs)
+    product.cluster.serve_in_network("prometheus", server.command(f"0.0.0.0:{server.port}"), server.port,
+                                     OPERATOR_NAMESPACE)
+    wait_for("Prometheus ready", server.ready, product.cluster, timeout=60, interval=0.5)
+    return server
+
+
+def _query(server, expr: str) -> list[dict]:
+    result = server.query(expr)
+    assert result["status"] == "success", result
+    return result["data"]["result"]
+
+
+def _check_prometheus(server, cluster, total: int, since: float) -> None:
+    """Every pod of every attempt was scraped; the series carry the job's own labels: the driver's
+    on the head pod up to the last step, each trainer rank's checkpoints; and the operator's
+    Service counts the job Succeeded."""
+    up = {r["metric"]["pod"]: (r["metric"]["role"], float(r["value"][1]))
+          for r in _query(server, 'max by (pod, role) (max_over_time(up{job="kuberl-workers"}[1h]))')}
+    assert {role for role, _ in up.values()} == {"head", "trainer", "rollout"}, up
+    # Each attempt's pods answered (the trainer killed at once may never have been scraped).
+    assert sum(value == 1 for _, value in up.values()) >= len(up) - 1, up
+    series = server.api("series", **{"match[]": f'{{__name__=~"kuberl_.+",job="{JOB}",namespace="{NAMESPACE}"}}',
+                                     "start": str(since)})["data"]
+    names = {}
+    for labels in series:
+        names.setdefault((labels["role"], labels["rank"]), set()).add(labels["__name__"])
+    assert {"kuberl_train_step", "kuberl_train_reward_mean", "kuberl_rollout_tokens_total"} <= names[("head", "0")], names
+    for rank in ("0", "1"):
+        assert "kuberl_checkpoint_saves_total" in names[("trainer", rank)], names
+    (step,) = _query(server, f'max(max_over_time(kuberl_train_step{{job="{JOB}",namespace="{NAMESPACE}"}}[1h]))')
+    # Scraped every 2 s: the last step may end the run before a scrape sees it.
+    assert float(step["value"][1]) >= total - 1, step
+    wait_for("the operator's metrics to count the job Succeeded",
+             lambda: any(float(r["value"][1]) >= 1 for r in _query(server, 'kuberl_operator_jobs{phase="Succeeded"}')),
+             cluster, timeout=30, interval=1)
+
+
 def _submitter_log(product, ray_job: str) -> str:
     pods = get_json(product.cluster, "pods", "-n", NAMESPACE, "-l", f"batch.kubernetes.io/job-name={ray_job}")["items"]
     return "\n".join(product.kubectl("logs", p["metadata"]["name"], "-n", NAMESPACE, check=False).stdout for p in pods)
@@ -82,7 +139,11 @@ def _trainer_pods(product) -> list[dict]:
     return [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
 
 
-def test_grpo_in_pods_survives_a_pod_kill_and_a_suspend_resumes_exactly_and_succeeds(product, local_run, tmp_path):
+# pytest-timeout counts fixture setup: run alone, this test also sets up the cluster (about 9 min)
+# and the local reference run (about 4 min) before its own 10 minutes.
+@pytest.mark.timeout(2400)
+def test_grpo_in_pods_survives_a_pod_kill_and_a_suspend_resumes_exactly_and_succeeds(product, local_run, prometheus,
+                                                                                     tmp_path):
     manifest = example()
     total = manifest["spec"]["algorithm"]["totalSteps"]
     applied = product.apply(manifest)
@@ -164,6 +225,7 @@ def test_grpo_in_pods_survives_a_pod_kill_and_a_suspend_resumes_exactly_and_succ
     record_timing("apply -> Succeeded (with one pod kill)", f"{done - applied:.0f} s")
 
     _check_s3_outputs(product, manifest, total, tmp_path)
+    _check_prometheus(prometheus, product.cluster, total, since=time.time() - 3600)
 
     # Deleting the job collects every object it owned.
     product.kubectl("delete", "rltj", JOB, "-n", NAMESPACE, "--wait=true", "--timeout=120s")

@@ -1,11 +1,10 @@
-"""A real Prometheus server (the Debian `prometheus` package) on loopback for tests, and the
+"""A real Prometheus server (built from its Go module with the cluster components) for tests, and the
 PromQL of the shipped Grafana dashboards with their template variables substituted."""
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
 import subprocess
 import time
 import urllib.parse
@@ -15,16 +14,19 @@ from pathlib import Path
 
 import yaml
 
+from tests.cluster.components import binary_path, is_built
 from tests.cluster.harness import REPO_ROOT, free_port
 
 DASHBOARDS = sorted((REPO_ROOT / "charts" / "kuberl" / "dashboards").glob("*.json"))
-MISSING = ("the real Prometheus server is not installed: `apt-get update && apt-get install -y "
-           "--no-install-recommends prometheus` provides /usr/bin/prometheus and /usr/bin/promtool")
+MISSING = ("the real Prometheus server is not built: `python -m tests.cluster build prometheus promtool` "
+           "(or .ci/setup) builds it from its Go module into ~/.cache/kuberl/bin")
 
 
 def binaries() -> tuple[str, str] | None:
-    prometheus, promtool = shutil.which("prometheus"), shutil.which("promtool")
-    return (prometheus, promtool) if prometheus and promtool else None
+    """(prometheus, promtool) when built (tests/cluster/components.py pins their version)."""
+    if not (is_built("prometheus") and is_built("promtool")):
+        return None
+    return str(binary_path("prometheus")), str(binary_path("promtool"))
 
 
 @dataclass(frozen=True)
@@ -89,13 +91,16 @@ class PrometheusServer:
         assert checked.returncode == 0, checked.stdout + checked.stderr
         self.binary, self.log_path, self.proc = binary, workdir / "prometheus.log", None
 
+    def command(self, listen: str) -> list[str]:
+        """The server's command line, listening on `listen` (host:port)."""
+        return [self.binary, f"--config.file={self.config}", f"--storage.tsdb.path={self.workdir / 'tsdb'}",
+                f"--web.listen-address={listen}"]
+
     def start(self, timeout: float = 60) -> "PrometheusServer":
         self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [self.binary, f"--config.file={self.config}", f"--storage.tsdb.path={self.workdir / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}"], stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.command(f"127.0.0.1:{self.port}"), stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
-        while not self._ready():
+        while not self.ready():
             if self.proc.poll() is not None:
                 raise AssertionError(f"prometheus exited with {self.proc.returncode}:\n{self.tail()}")
             if time.monotonic() > deadline:
@@ -103,7 +108,7 @@ class PrometheusServer:
             time.sleep(0.2)
         return self
 
-    def _ready(self) -> bool:
+    def ready(self) -> bool:
         try:
             with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as resp:
                 return resp.status == 200

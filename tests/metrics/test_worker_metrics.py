@@ -146,3 +146,21 @@ def test_exporter_over_http_passes_promtool_lint(worker_feeds, prometheus_binari
     _, promtool = prometheus_binaries
     lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
     assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def test_the_documented_scrape_configs_pass_promtool_and_match_the_pod_monitor(prometheus_binaries, tmp_path):
+    """examples/prometheus/scrape-configs.yaml, for a Prometheus without the prometheus-operator
+    CRDs, keeps the PodMonitor's pods and port (tests/e2e scrapes real pods with it)."""
+    import yaml
+
+    from tests.cluster.harness import REPO_ROOT
+    from tests.metrics.prometheus import PrometheusServer
+
+    jobs = yaml.safe_load((REPO_ROOT / "examples" / "prometheus" / "scrape-configs.yaml").read_text())
+    PrometheusServer(*prometheus_binaries, tmp_path, jobs)  # asserts `promtool check config`
+    workers = next(j for j in jobs if j["job_name"] == "kuberl-workers")
+    keep = {r["source_labels"][0]: r["regex"] for r in workers["relabel_configs"] if r.get("action") == "keep"}
+    assert workers["honor_labels"] is True
+    assert keep == {"__meta_kubernetes_pod_label_app_kubernetes_io_name": "kuberl",
+                    "__meta_kubernetes_pod_label_kuberl_dev_role": "head|trainer|rollout",
+                    "__meta_kubernetes_pod_container_port_name": "kuberl-metrics"}
