@@ -34,7 +34,16 @@ def engine_args(spec, local_model_path: str, served_model_name: str, *, engine_i
     # vLLM's CPU linear layers call kernels prepacked from the weights through per-layer
     # closures; a traced graph would keep the closures it saw, so weight sync could never reach
     # generation. No graph capture on CPU: the closures the reload rebuilds are the ones called.
-    cpu_only = {"enforce_eager": True, "compilation_config": {"mode": 0}} if on_cpu else {}
+    max_model_len = rollout.max_prompt_length + rollout.max_response_length
+    cpu_only = {
+        "enforce_eager": True, "compilation_config": {"mode": 0},
+        # After a partial (chunked) prefill step vLLM rewinds a seeded request's generator with
+        # set_offset, which CPU generators refuse ("CPU Generator does not use offset"): the
+        # engine dies. Every request here is seeded (exact resume), so CPU engines prefill whole
+        # prompts; the batch budget must then hold the longest. tests/driver/test_agent_e2e.py's
+        # multi-turn prompts hit it.
+        "enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048),
+    } if on_cpu else {}
     kwargs = dict(
         model=local_model_path,
         tokenizer=local_model_path,
@@ -43,7 +52,7 @@ def engine_args(spec, local_model_path: str, served_model_name: str, *, engine_i
         dtype=dtype,
         tensor_parallel_size=rollout.tensor_parallel_size,
         gpu_memory_utilization=rollout.gpu_memory_utilization,
-        max_model_len=rollout.max_prompt_length + rollout.max_response_length,
+        max_model_len=max_model_len,
         seed=spec.algorithm.seed + engine_index,
         enable_prefix_caching=True,
         # The sampling policy's log-probs: after temperature, as the token was actually drawn.
