@@ -20,7 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 EXPECTED = {
     "skyrl-gsm8k-qwen2.5-1.5b": (4, {"data.answerField": "reward_spec.ground_truth", "algorithm.epochs": 20,
                                      "validation.beforeTraining": True, "tracking.wandb.project": "gsm8k"}),
-    "verl-dapo-qwen2.5-32b": (16, {"algorithm.clipRatioHigh": 0.28, "algorithm.klCoef": 0.0,
+    "verl-dapo-qwen2.5-32b": (16, {"algorithm.name": "dapo", "algorithm.clipRatioHigh": 0.28,
+                                   "algorithm.overlongBuffer": 4096, "algorithm.maxRefillRounds": 9,
+                                   "algorithm.klCoef": 0.0,
                                    "validation.topP": 0.7, "validation.n": 32, "data.overlongPrompts": "error",
                                    "rollout.engineArgs.enableChunkedPrefill": True}),
     "nemo-rl-grpo-qwen3-30b-a3b": (4, {"algorithm.logProbMicroBatchSize": 4, "algorithm.klClamp": 10.0,

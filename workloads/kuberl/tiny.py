@@ -6,7 +6,7 @@ head_dim 64 (vLLM's CPU attention kernels reject smaller heads). The tokenizer i
 which keeps the vocabulary small and makes the toy task (write the letter asked for) learnable by
 GRPO within minutes on a CPU.
 
-    python -m kuberl.tiny /opt/kuberl/tiny        # model/, moe-model/, data/repeat_letter.jsonl
+    python -m kuberl.tiny /opt/kuberl/tiny   # model/, moe-model/, data/{repeat_letter,calculator}.jsonl
 """
 
 from __future__ import annotations
@@ -101,11 +101,37 @@ def repeat_letter_rows(n: int, seed: int = 0, letters: str = LETTERS) -> list[di
             for letter in (rng.choice(letters) for _ in range(n))]
 
 
-def make_data(dst: str | Path, n: int = 512, seed: int = 0, letters: str = LETTERS) -> Path:
+def _write_rows(dst: str | Path, rows: list[dict]) -> Path:
     path = Path(dst)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in repeat_letter_rows(n, seed, letters)))
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+def make_data(dst: str | Path, n: int = 512, seed: int = 0, letters: str = LETTERS) -> Path:
+    return _write_rows(dst, repeat_letter_rows(n, seed, letters))
+
+
+# Sums with a one-digit result in this set: four answers, as LETTERS has four letters.
+RESULTS = "1234"
+
+
+def calculator_rows(n: int, seed: int = 0, results: str = RESULTS) -> list[dict]:
+    """The two-turn tool-use task (``kuberl.agents.calculator``): the question names a sum, the
+    calculator gives its value, the answer is that digit."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        result = int(rng.choice(results))
+        left = rng.randrange(result + 1)
+        expression = f"{left}+{result - left}"
+        rows.append({"prompt": f"{expression}? Use the calculator (=).", "answer": str(result),
+                     "extra_info": {"expression": expression}})
+    return rows
+
+
+def make_calculator_data(dst: str | Path, n: int = 512, seed: int = 0) -> Path:
+    return _write_rows(dst, calculator_rows(n, seed))
 
 
 def make_all(root: str | Path) -> dict[str, Path]:
@@ -114,6 +140,7 @@ def make_all(root: str | Path) -> dict[str, Path]:
         "model": make_model(root / "model"),
         "moe_model": make_model(root / "moe-model", moe=True),
         "data": make_data(root / "data" / "repeat_letter.jsonl"),
+        "calculator_data": make_calculator_data(root / "data" / "calculator.jsonl"),
     }
 
 

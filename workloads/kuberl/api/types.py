@@ -170,10 +170,70 @@ class RewardSpec(APIModel):
     cpus_per_worker: float = Field(1.0, gt=0, le=64, description="CPUs each reward worker reserves.")
 
 
+class AgentHarnessSpec(APIModel):
+    command: list[Annotated[str, StringConstraints(min_length=1, max_length=4096)]] = Field(
+        min_length=1, max_length=MAX_LIST_ITEMS,
+        description="The program and its arguments, run on the head pod once per episode. It gets "
+                    "ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY (the episode key), OPENAI_BASE_URL, "
+                    "OPENAI_API_KEY (the same key) and KUBERL_MODEL in its environment (none of the "
+                    "job's credentials) and the task as JSON on stdin (messages, answer, data_source, "
+                    "extra_info, seed, max_tokens); it prints {\"reward\": <number>} as its last line.")
+    timeout_seconds: int = Field(600, ge=1, le=86_400, description="An episode that runs longer fails the step.")
+
+
+class AgentSpec(APIModel):
+    """Multi-turn agent rollouts (docs/agents.md): each rollout is an episode whose model turns go
+    through the rollout endpoint under a per-episode key."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(
+        rule("has(self.environment) != has(self.harness)", "agent: set exactly one of environment or harness"),
+    ))
+    environment: str | None = Field(
+        None, max_length=512, pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$",
+        description="The environment class, module.path:Class (importable in the image), with "
+                    "reset(task) -> the chat to start from and step(reply) -> Step(observation, "
+                    "reward, done), the gymnasium / skyrl-gym shape; made once per episode. Its "
+                    "rewards, summed over the episode, replace spec.reward. Embedded: "
+                    "kuberl.agents.calculator:Calculator (a two-turn tool-use toy task).")
+    harness: AgentHarnessSpec | None = Field(None, description="An agent program that talks to the "
+                                             "endpoint's Anthropic or OpenAI API itself and returns a reward.")
+    max_turns: int = Field(8, ge=1, le=1024, description="environment: model replies per episode at most; "
+                           "an episode the environment has not ended by then stops with the reward so far.")
+    max_tokens_per_turn: int | None = Field(None, ge=1, le=1_048_576, description="Longest reply per turn. "
+                                            "Default: rollout.maxResponseLength. A whole episode (first "
+                                            "prompt, replies, observations) fits in maxPromptLength + "
+                                            "maxResponseLength tokens; one that fills it ends there.")
+    concurrency: int = Field(64, ge=1, le=4096, description="Episodes in flight at once (each waits on "
+                             "its environment between turns).")
+
+
+AlgorithmName = Literal["grpo", "dr-grpo", "dapo", "rloo", "gspo"]
+# (clipRatioLow, clipRatioHigh) when unset: PPO's 0.2; DAPO's clip-higher (arXiv 2503.14476);
+# the ranges of GSPO's experiments for its sequence-level ratio (arXiv 2507.18071).
+ALGORITHM_CLIP_DEFAULTS: dict[str, tuple[float, float]] = {
+    "grpo": (0.2, 0.2), "dr-grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "rloo": (0.2, 0.2), "gspo": (3e-4, 4e-4)}
+DAPO_OVERLONG_PENALTY = 1.0
+DAPO_MAX_REFILL_ROUNDS = 3
+
+
+def _clip_cel(bound: str) -> str:
+    """CEL for clipRatio<bound> as the job gets it: the field, else the algorithm's default."""
+    index = 0 if bound == "Low" else 1
+    default = "0.0"
+    for name, pair in reversed(list(ALGORITHM_CLIP_DEFAULTS.items())):
+        default = f"(self.name == '{name}' ? {pair[index]!r} : {default})"
+    return f"(has(self.clipRatio{bound}) ? double(self.clipRatio{bound}) : {default})"
+
+
 class AlgorithmSpec(APIModel):
     model_config = ConfigDict(json_schema_extra=_rules(
-        rule("self.clipRatioHigh >= self.clipRatioLow",
-             "algorithm.clipRatioHigh must be >= algorithm.clipRatioLow", ".clipRatioHigh"),
+        rule(f"{_clip_cel('High')} >= {_clip_cel('Low')}",
+             "algorithm.clipRatioHigh must be >= algorithm.clipRatioLow (unset, each takes the "
+             "algorithm's default: docs/algorithms.md)", ".clipRatioHigh"),
+        rule("self.name == 'dapo' || (!has(self.overlongBuffer) && !has(self.overlongPenalty) && "
+             "!has(self.maxRefillRounds))",
+             "algorithm.overlongBuffer, overlongPenalty and maxRefillRounds apply to name: dapo only; "
+             "remove them or set algorithm.name: dapo", ".name"),
         rule("self.microBatchSize < 1 || (self.promptsPerStep * self.groupSize) % self.microBatchSize == 0",
              "algorithm.microBatchSize must divide promptsPerStep * groupSize (samples per step)",
              ".microBatchSize"),
@@ -181,8 +241,15 @@ class AlgorithmSpec(APIModel):
              "self.promptsPerStep % self.miniBatchSize == 0)",
              "algorithm.miniBatchSize must divide algorithm.promptsPerStep (prompts per optimizer update)",
              ".miniBatchSize"),
+        rule("!self.asyncRollout || (double(self.topP) == 1.0 && self.topK == -1)",
+             "algorithm.asyncRollout measures the importance ratio against the engines' log-probs, which "
+             "with topP < 1 or topK are those of the truncated distribution the trainer does not compute; "
+             "leave topP: 1 and topK: -1, or set asyncRollout: false", ".asyncRollout"),
     ))
-    name: Literal["grpo"] = Field("grpo", description="The RL algorithm.")
+    name: AlgorithmName = Field("grpo", description="The RL algorithm (docs/algorithms.md): grpo "
+                                "(group-normalised advantages, token-mean loss), dr-grpo (no std or "
+                                "length normalisation), dapo (clip-higher, dynamic sampling, overlong "
+                                "shaping), rloo (leave-one-out baseline) or gspo (sequence-level ratio).")
     group_size: int = Field(8, ge=2, le=1024, description="Samples per prompt; advantages are normalised within a group.")
     prompts_per_step: int = Field(32, ge=1, le=65536, description="Prompts per training step.")
     micro_batch_size: int = Field(4, ge=1, le=4096, description="Samples per forward/backward on one rank.")
@@ -194,9 +261,12 @@ class AlgorithmSpec(APIModel):
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy; 0 "
                            "(the default, as in verl and DAPO) disables it and keeps no reference model.")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
-    clip_ratio_low: float = Field(0.2, ge=0, le=1, description="PPO clip: ratio lower bound is 1 - clipRatioLow.")
-    clip_ratio_high: float = Field(0.2, ge=0, le=10, description="PPO clip: ratio upper bound is 1 + "
-                                   "clipRatioHigh (DAPO's clip-higher: 0.28).")
+    clip_ratio_low: float | None = Field(None, ge=0, le=1, description="PPO clip: the ratio's lower bound "
+                                         "is 1 - clipRatioLow. Default: the algorithm's (0.2; gspo 3e-4, "
+                                         "its ratio is per sequence).")
+    clip_ratio_high: float | None = Field(None, ge=0, le=10, description="PPO clip: the ratio's upper bound "
+                                          "is 1 + clipRatioHigh. Default: the algorithm's (0.2; dapo's "
+                                          "clip-higher 0.28; gspo 4e-4).")
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature for rollouts.")
     seed: int = Field(42, ge=0, le=2**31 - 1, description="Seed for data order, sampling and initialisation.")
     mini_batch_size: int | None = Field(None, ge=1, le=65536, description="Prompts (whole groups) per "
@@ -215,6 +285,40 @@ class AlgorithmSpec(APIModel):
     top_k: int = Field(-1, ge=-1, le=1_000_000, description="Top-k sampling for rollouts; -1 disables it.")
     stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings for rollouts "
                             "(the stop string is kept out of the response).")
+    overlong_buffer: int | None = Field(None, ge=0, le=1_048_576, description="dapo: overlong reward "
+                                        "shaping over the last overlongBuffer tokens before "
+                                        "rollout.maxResponseLength (DAPO's L_cache); 0 turns it off. "
+                                        "Default: maxResponseLength / 5 (DAPO: 4096 of 20480).")
+    overlong_penalty: float | None = Field(None, ge=0, le=100, description="dapo: the shaping's largest "
+                                           f"penalty, reached at rollout.maxResponseLength. Default: {DAPO_OVERLONG_PENALTY}.")
+    max_refill_rounds: int | None = Field(None, ge=0, le=64, description="dapo: extra generation rounds "
+                                          "that refill the step's batch after dynamic sampling dropped the "
+                                          "groups whose rewards are all equal; still short after them, the "
+                                          f"step trains with dropped groups in the gaps. Default: {DAPO_MAX_REFILL_ROUNDS}.")
+    async_rollout: bool = Field(False, description="One-step asynchronous rollouts: the engines generate "
+                                "step n+1's rollout while the trainer trains on step n's, so each step "
+                                "trains on samples of the weights one step old (the staleness bound); the "
+                                "importance ratio is taken against the engines' log-probs. Needs topP 1, topK -1 and "
+                                "rollout.colocate: false (docs/algorithms.md).")
+
+    def clip_range(self) -> tuple[float, float]:
+        """(clipRatioLow, clipRatioHigh) with the algorithm's defaults for the unset ones."""
+        low, high = ALGORITHM_CLIP_DEFAULTS[self.name]
+        return (low if self.clip_ratio_low is None else self.clip_ratio_low,
+                high if self.clip_ratio_high is None else self.clip_ratio_high)
+
+    def overlong(self, max_response_length: int) -> tuple[int, float]:
+        """dapo's (overlongBuffer, overlongPenalty) with their defaults; (0, 0) for the others."""
+        if self.name != "dapo":
+            return 0, 0.0
+        buffer = max_response_length // 5 if self.overlong_buffer is None else self.overlong_buffer
+        return buffer, DAPO_OVERLONG_PENALTY if self.overlong_penalty is None else self.overlong_penalty
+
+    def refill_rounds(self) -> int:
+        """dapo's maxRefillRounds with its default; 0 for the others (they keep every group)."""
+        if self.name != "dapo":
+            return 0
+        return DAPO_MAX_REFILL_ROUNDS if self.max_refill_rounds is None else self.max_refill_rounds
 
 
 class Resources(APIModel):
@@ -445,6 +549,9 @@ class RLTrainingJobSpec(APIModel):
         rule("self.weightSync.method != 'ipc' || self.rollout.colocate",
              "weightSync.method ipc needs rollout.colocate: true (CUDA IPC works only on the same GPUs)",
              ".weightSync.method"),
+        rule("!self.algorithm.asyncRollout || !self.rollout.colocate",
+             "algorithm.asyncRollout needs rollout.colocate: false (colocated engines sleep while the "
+             "trainer steps, so nothing can overlap); set one of them to false", ".algorithm.asyncRollout"),
         rule("!self.rollout.colocate || self.trainer.gpusPerReplica > 0",
              "rollout.colocate needs trainer.gpusPerReplica > 0", ".rollout.colocate"),
         rule("!self.rollout.colocate || self.rollout.tensorParallelSize < 1 || "
@@ -459,10 +566,20 @@ class RLTrainingJobSpec(APIModel):
              "self.rollout.resources.cpu.matches('^[0-9]+$')",
              "numa.policy gpu-local needs an integer rollout.resources.cpu (Guaranteed QoS lets the "
              "kubelet pin whole CPUs)", ".rollout.resources.cpu"),
+        rule("!has(self.algorithm.overlongBuffer) || self.algorithm.overlongBuffer < self.rollout.maxResponseLength",
+             "algorithm.overlongBuffer must be below rollout.maxResponseLength (the shaping covers the "
+             "last overlongBuffer tokens of it); lower it or raise maxResponseLength", ".algorithm.overlongBuffer"),
         rule("self.checkpoint.resume in ['auto', 'never'] || !has(self.checkpoint.uri) || "
              "self.checkpoint.resume != self.checkpoint.uri",
              "checkpoint.resume names the checkpoint root itself; use auto to resume from the newest "
              "checkpoint under checkpoint.uri", ".checkpoint.resume"),
+        rule("!has(self.agent) || !has(self.agent.maxTokensPerTurn) || "
+             "self.agent.maxTokensPerTurn <= self.rollout.maxResponseLength",
+             "agent.maxTokensPerTurn must be at most rollout.maxResponseLength (a first turn's prompt may "
+             "take all of maxPromptLength)", ".agent.maxTokensPerTurn"),
+        rule("!has(self.agent) || !has(self.validation)",
+             "agent: validation runs single-turn prompts and does not run agent episodes yet; remove "
+             "spec.validation", ".validation"),
         rule("self.trainer.replicas < 1 || self.trainer.processesPerReplica < 1 || "
              "(self.algorithm.promptsPerStep * self.algorithm.groupSize) % "
              "(self.trainer.replicas * (self.trainer.gpusPerReplica > 0 ? self.trainer.gpusPerReplica "
@@ -479,6 +596,8 @@ class RLTrainingJobSpec(APIModel):
     reward: RewardSpec = Field(default_factory=lambda: RewardSpec(builtin="gsm8k_strict"),
                                description="How responses are scored.")
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="RL algorithm and its hyper-parameters.")
+    agent: AgentSpec | None = Field(None, description="Multi-turn agent episodes instead of single "
+                                    "responses (docs/agents.md).")
     head: HeadSpec = Field(default_factory=HeadSpec, description="The Ray head pod (runs the driver).")
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Training workers.")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rollout engines.")

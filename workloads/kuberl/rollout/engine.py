@@ -34,7 +34,16 @@ def engine_args(spec, local_model_path: str, served_model_name: str, *, engine_i
     # vLLM's CPU linear layers call kernels prepacked from the weights through per-layer
     # closures; a traced graph would keep the closures it saw, so weight sync could never reach
     # generation. No graph capture on CPU: the closures the reload rebuilds are the ones called.
-    cpu_only = {"enforce_eager": True, "compilation_config": {"mode": 0}} if on_cpu else {}
+    max_model_len = rollout.max_prompt_length + rollout.max_response_length
+    cpu_only = {
+        "enforce_eager": True, "compilation_config": {"mode": 0},
+        # After a partial (chunked) prefill step vLLM rewinds a seeded request's generator with
+        # set_offset, which CPU generators refuse ("CPU Generator does not use offset"): the
+        # engine dies. Every request here is seeded (exact resume), so CPU engines prefill whole
+        # prompts; the batch budget must then hold the longest. tests/driver/test_agent_e2e.py's
+        # multi-turn prompts hit it.
+        "enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048),
+    } if on_cpu else {}
     kwargs = dict(
         model=local_model_path,
         tokenizer=local_model_path,
@@ -43,7 +52,7 @@ def engine_args(spec, local_model_path: str, served_model_name: str, *, engine_i
         dtype=dtype,
         tensor_parallel_size=rollout.tensor_parallel_size,
         gpu_memory_utilization=rollout.gpu_memory_utilization,
-        max_model_len=rollout.max_prompt_length + rollout.max_response_length,
+        max_model_len=max_model_len,
         seed=spec.algorithm.seed + engine_index,
         enable_prefix_caching=True,
         # The sampling policy's log-probs: after temperature, as the token was actually drawn.
@@ -142,13 +151,13 @@ class RolloutEngine:
         return list(await asyncio.gather(*requests))
 
     async def complete(self, prompt_ids: list[int], *, n: int = 1, temperature: float = 1.0,
-                       top_p: float = 1.0, max_tokens: int = 16, stop: list[str] | None = None,
+                       top_p: float = 1.0, top_k: int = -1, max_tokens: int = 16, stop: list[str] | None = None,
                        seed: int | None = None, logprobs: bool = False) -> list[Sample]:
         """One request of the HTTP endpoint (already tokenized and validated)."""
         from vllm import SamplingParams
 
         self._check_prompt(prompt_ids, max_tokens, "prompt")
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                 stop=stop or None, seed=seed, logprobs=0 if logprobs else None)
         samples = await self._one(prompt_ids, params, 0)
         if logprobs:
@@ -173,9 +182,16 @@ class RolloutEngine:
         return list(await asyncio.gather(*(one(seq) for seq in sequences)))
 
     # --- tokenization for the HTTP endpoint -------------------------------------------------
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                       return_dict=False))
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=True,
+                                                       add_generation_prompt=True, return_dict=False))
+
+    def continuation(self, new_messages: list[dict], context: list[int], tools: list[dict] | None = None) -> list[int]:
+        """The tokens after ``context`` (an episode's last prompt and response) that add
+        ``new_messages`` and open the next assistant turn (``kuberl.rollout.continuation``)."""
+        from kuberl.rollout.continuation import continuation_ids
+
+        return continuation_ids(self.tokenizer, new_messages, context, tools)
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True))

@@ -88,12 +88,13 @@ class EnginePool:
     def wake_up(self) -> None:
         ray.get([engine.wake_up.remote() for engine in self.engines])
 
-    def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Start the OpenAI/Anthropic endpoint in a background thread; returns its base URL."""
+    def serve(self, host: str = "127.0.0.1", port: int = 0, episodes=None) -> str:
+        """Start the OpenAI/Anthropic endpoint in a background thread; returns its base URL.
+        ``episodes``: the ``EpisodeLog`` that records agent episodes (the driver's)."""
         from kuberl.rollout.server import BackgroundServer, make_app
 
         if self._server is None:
-            self._server = BackgroundServer(make_app(self), host, port)
+            self._server = BackgroundServer(make_app(self, episodes), host, port)
             self._server.start()
         return self._server.url
 

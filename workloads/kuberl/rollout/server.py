@@ -1,7 +1,7 @@
 """OpenAI- and Anthropic-compatible HTTP endpoint over the engine pool, for agent rollouts.
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (OpenAI), ``POST /v1/messages``
-  (Anthropic: content blocks, system prompt, stop reasons, usage), ``GET /v1/models``;
+  (Anthropic: content blocks, tool use, system prompt, stop reasons, usage), ``GET /v1/models``;
 - sticky routing: requests of one session (header ``x-session-id``, else the OpenAI ``user`` or
   Anthropic ``metadata.user_id`` field) go to the same engine, so its prefix cache holds the
   conversation so far;
@@ -9,6 +9,17 @@
 
 Responses also carry the token ids (``prompt_token_ids``, per-choice ``token_ids``) and the
 ``weight_version`` that produced them, which the trainer needs and the text alone cannot give.
+
+Agent episodes: a request whose API key (Anthropic ``x-api-key``, OpenAI ``Authorization:
+Bearer``) is an episode key from the ``EpisodeLog`` is recorded as one turn of that episode
+(``kuberl.rollout.transitions``), with its log-probs. It samples as the episode says (the run's
+temperature, top-p, top-k and stop strings, a seed per turn, ``max_tokens`` capped), whatever
+the request's own fields: the driver, not the agent, decides how the policy samples. When its
+chat extends the previous turn's (that reply, then new messages), its prompt is the previous
+turn's ids plus the new messages' tokens (``kuberl.rollout.continuation``), not a re-tokenized
+chat; such a turn is bounded by the context (``maxPromptLength + maxResponseLength``), not by
+``maxPromptLength``, and its ``max_tokens`` is capped at the room left. Episode turns are routed
+to one engine, whose prefix cache holds the conversation.
 
 The hot path is kept thin, since every microsecond here is taken from the engines on small
 hosts: plain Starlette routes (no FastAPI dependency resolution per request), request bodies
@@ -32,7 +43,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kuberl.rollout.protocol import ChatCompletionRequest, CompletionRequest, MessagesRequest
+from kuberl.rollout.protocol import (ChatCompletionRequest, CompletionRequest, MessagesRequest, ToolUseBlock,
+                                     assistant_message, reply_blocks)
+from kuberl.rollout.transitions import EpisodeLog, Transition
 
 SESSION_HEADER = "x-session-id"
 
@@ -107,7 +120,23 @@ def _finish_reason(sample) -> str:
     return sample.finish_reason or "stop"
 
 
-def make_app(pool) -> Starlette:
+def api_key(request: Request) -> str | None:
+    """The request's API key, as the Anthropic (``x-api-key``) or OpenAI (bearer token) SDKs send it."""
+    key = request.headers.get("x-api-key")
+    if key:
+        return key
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip() or None
+
+
+NO_ROOM = "leave no room"  # in the 400 a full episode gets: environment loops end the episode on it
+
+
+def make_app(pool, episodes: EpisodeLog | None = None) -> Starlette:
+    """``episodes``: the record of agent episodes whose keys the driver hands out."""
+    episodes = episodes if episodes is not None else EpisodeLog()
     router = StickyRouter(len(pool.engines))
     rollout = pool.spec.rollout
     max_model_len = rollout.max_prompt_length + rollout.max_response_length
@@ -126,8 +155,54 @@ def make_app(pool) -> Starlette:
             raise APIError(400, f"{tokens_field}: {max_tokens} + {len(prompt_ids)} prompt tokens exceed the "
                                 f"context of {max_model_len} tokens", param=tokens_field)
 
-    def engine_for(request: Request, user: str | None):
-        return pool.engines[router.route(request.headers.get(SESSION_HEADER) or user)]
+    def engine_for(request: Request, user: str | None, key: str | None = None):
+        return pool.engines[router.route(request.headers.get(SESSION_HEADER) or user or key)]
+
+    async def episode_prompt(engine, key: str | None, chat: list[dict],
+                             tools: list[dict] | None = None) -> tuple[list[int], bool]:
+        """The turn's prompt ids, and whether they continue the episode's previous turn."""
+        follows = episodes.continuation(key, chat) if key is not None else None
+        if follows is None:
+            return await engine.chat_prompt.remote(chat, tools), False
+        context, new_messages = follows
+        try:
+            return context + await engine.continuation.remote(new_messages, context, tools), True
+        except ValueError as err:  # the template cannot be continued token by token
+            raise APIError(400, f"messages: {str(err).splitlines()[-1]}", param="messages") from None
+
+    def turn_tokens(prompt_ids: list[int], max_tokens: int, continued: bool, prompt_field: str,
+                    tokens_field: str) -> int:
+        """``max_tokens`` checked against the limits (capped at the room left for a continued turn)."""
+        if not continued:
+            check_length(prompt_ids, max_tokens, prompt_field, tokens_field)
+            return max_tokens
+        room = max_model_len - len(prompt_ids)
+        if room < 1:
+            raise APIError(400, f"{prompt_field}: the episode's {len(prompt_ids)} tokens {NO_ROOM} in the "
+                                f"context of {max_model_len} tokens", param=prompt_field)
+        return min(max_tokens, room)
+
+    def episode_params(key: str | None, params: dict) -> dict:
+        """The engine's sampling parameters: the request's, or for an episode turn the episode's."""
+        episode = episodes.sampling(key)
+        if episode is None:
+            return params
+        sampling, turn = episode
+        return dict(params, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                    stop=list(sampling.stop), seed=sampling.turn_seed(turn), logprobs=True,
+                    max_tokens=min(params["max_tokens"], sampling.max_tokens or params["max_tokens"]))
+
+    def episode_key(request: Request) -> str | None:
+        key = api_key(request)
+        return key if episodes.sampling(key) is not None else None
+
+    def record(key: str | None, chat: list[dict], prompt_ids: list[int], sample, reply: dict) -> None:
+        if key is not None:
+            episodes.record(key, chat, Transition(
+                prompt_ids=prompt_ids, response_ids=list(sample.response_ids),
+                response_logprobs=sample.response_logprobs,
+                metadata={"weight_version": sample.weight_version, "finish_reason": sample.finish_reason}),
+                reply)
 
     async def run(engine, prompt_ids, **params):
         try:
@@ -163,13 +238,19 @@ def make_app(pool) -> Starlette:
     async def chat_completions(request: Request):
         req: ChatCompletionRequest = await _parse(ChatCompletionRequest, request)
         check_model(req.model)
-        engine = engine_for(request, req.user)
-        prompt_ids = await engine.chat_prompt.remote([{"role": m.role, "content": m.text()} for m in req.messages])
+        key = episode_key(request)
+        if key is not None and req.n != 1:
+            raise APIError(400, "n: an episode key records one conversation; set n to 1", param="n")
+        engine = engine_for(request, req.user, key)
+        chat = [{"role": m.role, "content": m.text()} for m in req.messages]
+        prompt_ids, continued = await episode_prompt(engine, key, chat)
         max_tokens = req.max_completion_tokens or req.max_tokens or min(
             rollout.max_response_length, max(1, max_model_len - len(prompt_ids)))
-        check_length(prompt_ids, max_tokens, "messages", "max_tokens")
-        samples = await run(engine, prompt_ids, n=req.n, temperature=req.temperature, top_p=req.top_p,
-                            max_tokens=max_tokens, stop=req.stop, seed=req.seed, logprobs=req.logprobs)
+        params = episode_params(key, dict(temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens,
+                                          stop=req.stop, seed=req.seed, logprobs=req.logprobs))
+        params["max_tokens"] = turn_tokens(prompt_ids, params["max_tokens"], continued, "messages", "max_tokens")
+        samples = await run(engine, prompt_ids, n=req.n, **params)
+        record(key, chat, prompt_ids, samples[0], {"role": "assistant", "content": samples[0].response_text})
         choices = []
         for i, s in enumerate(samples):
             logprobs = None
@@ -185,6 +266,9 @@ def make_app(pool) -> Starlette:
     async def completions(request: Request):
         req: CompletionRequest = await _parse(CompletionRequest, request)
         check_model(req.model)
+        if episode_key(request) is not None:  # else served with the client's sampling and recorded nowhere
+            raise APIError(400, "prompt: an episode key records chat turns, which a raw prompt is not; "
+                                "send the episode's turns to /v1/messages or /v1/chat/completions", param="prompt")
         engine = engine_for(request, req.user)
         prompt_ids = (list(req.prompt) if isinstance(req.prompt, list)
                       else await engine.tokenize.remote(req.prompt))
@@ -207,20 +291,27 @@ def make_app(pool) -> Starlette:
     async def messages(request: Request):
         req: MessagesRequest = await _parse(MessagesRequest, request)
         check_model(req.model)
-        engine = engine_for(request, req.metadata.user_id if req.metadata else None)
-        prompt_ids = await engine.chat_prompt.remote(req.chat_messages())
-        check_length(prompt_ids, req.max_tokens, "messages", "max_tokens")
-        (s,) = await run(engine, prompt_ids, n=1, temperature=req.temperature, top_p=req.top_p,
-                         max_tokens=req.max_tokens, stop=req.stop_sequences)
+        key = episode_key(request)
+        engine = engine_for(request, req.metadata.user_id if req.metadata else None, key)
+        chat = req.chat_messages()
+        prompt_ids, continued = await episode_prompt(engine, key, chat, req.template_tools())
+        params = episode_params(key, dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                          max_tokens=req.max_tokens, stop=req.stop_sequences, logprobs=False))
+        params["max_tokens"] = turn_tokens(prompt_ids, params["max_tokens"], continued, "messages", "max_tokens")
+        (s,) = await run(engine, prompt_ids, n=1, **params)
+        blocks = reply_blocks(s.response_text, req.tools)
+        record(key, chat, prompt_ids, s, assistant_message(blocks))
         stop_sequence = s.metadata.get("stop_reason") if isinstance(s.metadata.get("stop_reason"), str) else None
-        if s.finish_reason == "length":
+        if any(isinstance(b, ToolUseBlock) for b in blocks):
+            stop_reason = "tool_use"
+        elif s.finish_reason == "length":
             stop_reason = "max_tokens"
         elif stop_sequence is not None:
             stop_reason = "stop_sequence"
         else:
             stop_reason = "end_turn"
         return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": served,
-                "content": [{"type": "text", "text": s.response_text}], "stop_reason": stop_reason,
+                "content": [b.model_dump() for b in blocks], "stop_reason": stop_reason,
                 "stop_sequence": stop_sequence,
                 "usage": {"input_tokens": len(prompt_ids), "output_tokens": len(s.response_ids)},
                 "prompt_token_ids": prompt_ids, "token_ids": s.response_ids,

@@ -17,6 +17,8 @@ Robustness rules (each decision is recorded in ``Sample.metadata["repairs"]``):
 from __future__ import annotations
 
 import math
+import secrets
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -150,3 +152,82 @@ def transitions_to_samples(episodes: Sequence[Sequence], *, groups: Sequence[int
         else:
             samples.append(sample)
     return samples, skipped
+
+
+EPISODE_KEY_PREFIX = "kuberl-episode-"
+
+
+@dataclass(frozen=True)
+class EpisodeSampling:
+    """How every turn of an episode samples, whatever the client asks: the trained policy is the
+    one at the run's temperature, and a resumed run must repeat its turns."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    max_tokens: int | None = None  # a cap on the client's max_tokens
+    seed: int | None = None        # turn t samples with seed + t
+
+    def turn_seed(self, turn: int) -> int | None:
+        return None if self.seed is None else (self.seed + turn) % 2**31
+
+
+@dataclass
+class _Episode:
+    sampling: EpisodeSampling
+    turns: list[Transition] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)  # the chat up to the last reply, included
+    context: list[int] = field(default_factory=list)  # the last turn's prompt and response ids
+
+
+class EpisodeLog:
+    """The endpoint's record of agent episodes, by the per-episode key the driver hands out.
+
+    A client (an environment loop, an agent harness) sends the key as its API key; every turn made
+    with it samples as the episode's ``EpisodeSampling`` says and is recorded as a ``Transition``
+    (the ids the model saw and produced, their log-probs and weight version). A turn whose chat
+    extends the previous one (the reply as returned, then new messages) continues from the
+    previous turn's ids (``kuberl.rollout.continuation``), so the recorded turns always chain into
+    one training sample."""
+
+    def __init__(self) -> None:
+        self._episodes: dict[str, _Episode] = {}
+        self._lock = threading.Lock()
+
+    def open(self, sampling: EpisodeSampling | None = None) -> str:
+        key = EPISODE_KEY_PREFIX + secrets.token_hex(16)
+        with self._lock:
+            self._episodes[key] = _Episode(sampling or EpisodeSampling())
+        return key
+
+    def close(self, key: str) -> list[Transition]:
+        """The episode's turns, in order; the key is no longer recorded."""
+        with self._lock:
+            return self._episodes.pop(key).turns
+
+    def sampling(self, key: str | None) -> tuple[EpisodeSampling, int] | None:
+        """(the episode's sampling, the number of its next turn), or None when ``key`` is no open episode's."""
+        with self._lock:
+            episode = self._episodes.get(key) if key is not None else None
+            return None if episode is None else (episode.sampling, len(episode.turns))
+
+    def continuation(self, key: str, chat: list[dict]) -> tuple[list[int], list[dict]] | None:
+        """(the previous turn's prompt and response ids, the messages after its reply) when ``chat``
+        extends the episode's last exchange; None for a first turn or a chat that does not."""
+        with self._lock:
+            episode = self._episodes[key]
+        done = len(episode.messages)
+        if not done or len(chat) <= done or chat[:done] != episode.messages:
+            return None
+        return list(episode.context), chat[done:]
+
+    def record(self, key: str, chat: list[dict], turn: Transition, reply: dict) -> None:
+        """``reply``: the model's reply as a chat message, as a request sending it back renders it."""
+        with self._lock:
+            episode = self._episodes.get(key)
+            if episode is None:  # closed while the turn ran: the driver gave up on it
+                return
+            episode.turns.append(turn)
+            episode.messages = [*chat, reply]
+            episode.context = turn.prompt_ids + turn.response_ids

@@ -183,6 +183,13 @@ class PromptStream:
             self._orders = {epoch: order}
         return self._orders[epoch]
 
+    def refill(self, step: int, round_: int, size: int) -> list[Prompt]:
+        """Prompts for dynamic sampling's extra round ``round_`` of step ``step``: a permutation
+        seeded by (seed, step, round), so a resumed run draws the same ones."""
+        order = list(range(len(self.prompts)))
+        random.Random(f"refill/{self.seed}/{step}/{round_}").shuffle(order)
+        return [self.prompts[order[i % len(order)]] for i in range(size)]
+
     def batch(self, step: int, size: int) -> list[Prompt]:
         start = step * size
         out = []

@@ -1,20 +1,28 @@
-"""The GRPO loop: the single controller that owns the run; Ray actors do the work.
+"""The RL loop: the single controller that owns the run; Ray actors do the work.
 
 Each step: the step's prompts (a pure function of seed and step) -> ``groupSize`` samples per
-prompt from the rollout engines -> rewards -> group-normalised advantages -> old and reference
-log-probs from the trainer -> policy updates over mini-batches (``kuberl.train.updates``) -> weight
-sync to the engines -> validation when due -> metrics, trackers, progress
-and, every ``intervalSteps``, a checkpoint. Everything a resumed run needs is in the checkpoint
-(trainer state, step, weight version), so a resumed run continues exactly where it stopped.
+prompt from the rollout engines (with ``spec.agent``, episodes through the endpoint:
+``kuberl.agents.episodes``) -> rewards, shaped by the algorithm -> the groups it trains on
+(dynamic sampling refills dropped ones) -> its advantages -> the log-probs it needs from the
+trainer -> policy updates over mini-batches (``kuberl.train.updates``; the trainer's loss is the
+algorithm's too) -> weight sync to the engines -> validation when due -> metrics, trackers, progress
+and, every ``intervalSteps``, a checkpoint. The algorithm is ``spec.algorithm.name`` looked up once
+in ``kuberl.train.algorithms.registry``, here and in ``TrainerConfig.from_spec``. With
+``spec.algorithm.asyncRollout`` the next step's rollout is generated in a background thread
+while the trainer trains (``kuberl.train.schedule`` orders generation, training and weight sync).
+Everything a resumed run needs is in the checkpoint (trainer state, step, weight version, and the
+rollout generated but not yet trained on), so a resumed run continues exactly where it stopped.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import random
 import signal
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -22,6 +30,9 @@ from kuberl import metrics as pod_metrics
 from kuberl.api.types import RLTrainingJob
 from kuberl.plan import RunPlan
 from kuberl.samples import Sample, TrainBatch
+from kuberl.train import schedule
+from kuberl.train.algorithms import registry
+from kuberl.train.algorithms.sampling import fill_groups
 from kuberl.train.checkpoint import CheckpointManager
 from kuberl.train.data import Prompt, PromptStream, check_prompt_lengths, load_for_spec, steps_for_epochs
 from kuberl.train.report import StatusReporter
@@ -45,6 +56,44 @@ class StepResult:
     reward_mean: float
     metrics: dict[str, float]
     rewards: list[float] = field(default_factory=list)
+
+
+# Which trainer method computes each log-prob an algorithm asks for (Algorithm.logprobs).
+LOGPROB_METHODS = {"old": "log_probs", "ref": "ref_log_probs"}
+
+# A step's rollout: its batch, its prompts' task rewards, the rollout's metrics (GRPODriver.rollout).
+Rollout = tuple[list[Sample], list[float], dict[str, float]]
+
+
+def rollout_state(rollout: Rollout) -> dict[str, Any]:
+    """A rollout as JSON for the checkpoint's driver state (floats round-trip exactly)."""
+    samples, task_rewards, metrics = rollout
+    return {"samples": [asdict(s) for s in samples], "task_rewards": task_rewards, "metrics": metrics}
+
+
+def rollout_from_state(state: dict[str, Any]) -> Rollout:
+    return [Sample(**s) for s in state["samples"]], state["task_rewards"], state["metrics"]
+
+
+def engine_logprobs(samples: Sequence[Sample]) -> list[list[float]]:
+    """The behaviour policy's log-probs as the engines returned them with the samples."""
+    missing = [i for i, s in enumerate(samples) if s.response_logprobs is None]
+    if missing:
+        raise ValueError(f"algorithm.asyncRollout: samples {missing[:8]} came without the engines' "
+                         f"log-probs, which the importance ratio needs")
+    return [list(s.response_logprobs) for s in samples]
+
+
+def _done(rollout: Rollout) -> Future:
+    future: Future = Future()
+    future.set_result(rollout)
+    return future
+
+
+def refill_seed(seed: int, step: int, round_: int) -> int:
+    """The sampling seed of dynamic sampling's extra round ``round_`` (the step's own round uses
+    ``seed * 1_000_003 + step``): a pure function of (seed, step, round), so a resume regenerates it."""
+    return random.Random(f"refill/{seed}/{step}/{round_}").randrange(2**31)
 
 
 class Preemption:
@@ -79,11 +128,21 @@ class GRPODriver:
         self.reporter = reporter
         self.preemption = preemption or Preemption()
         algo = self.spec.algorithm
+        self.algorithm = registry.get(algo.name)
         prompts = self._fitting(load_for_spec(data_path, self.spec.data), "spec.data")
         self.stream = PromptStream(prompts, algo.seed)
         self.total_steps = (steps_for_epochs(algo.epochs, len(prompts), algo.prompts_per_step)
                             if algo.epochs else algo.total_steps)
-        self.reward_fn = RewardWorkers(self.spec.reward)
+        # With spec.agent the episodes' rewards replace spec.reward, which is then not loaded.
+        self.reward_fn = RewardWorkers(self.spec.reward) if self.spec.agent is None else None
+        self.agent = None
+        if self.spec.agent is not None:  # episodes through the endpoint, which records their tokens
+            from kuberl.agents.episodes import AgentRollout
+            from kuberl.rollout.transitions import EpisodeLog
+
+            episodes = EpisodeLog()
+            self.agent = AgentRollout(self.spec, base_url=engines.serve(episodes=episodes),
+                                      model=engines.served_model_name, episodes=episodes)
         self.validator = None
         if self.spec.validation is not None:
             held_out = load_for_spec(validation_path or self.spec.validation.uri, self.spec.data,
@@ -97,6 +156,10 @@ class GRPODriver:
         self.metrics_file = metrics_file
         self.step = 0
         self.weight_version = 0
+        # Rollouts generated, or being generated, and not yet trained on, by step
+        # (kuberl.train.schedule: at most the current step's and, asynchronous, the next one's).
+        self._rollouts: dict[int, Future] = {}
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
 
     def _hold_for_suspend(self) -> None:
         """spec.suspend is true: the step is checkpointed; wait (no next step) while the operator
@@ -121,14 +184,36 @@ class GRPODriver:
         return check_prompt_lengths(prompts, [len(self._chat_ids(p.messages)) for p in prompts],
                                     self.spec.rollout.max_prompt_length, self.spec.data.overlong_prompts, spec_field)
 
-    def rollout(self, step: int) -> list[Sample]:
+    def _scored_groups(self, prompts: list[Prompt], seed: int) -> list[list[Sample]]:
+        """``groupSize`` scored samples per prompt: ``sample.reward`` is what the algorithm trains
+        on (the reward function's, or with ``spec.agent`` the episode's, shaped: dapo's overlong
+        penalty), ``metadata['task_reward']`` the unshaped one."""
         algo = self.spec.algorithm
+        max_tokens = self.spec.rollout.max_response_length
         started = time.perf_counter()
-        prompts = self.stream.batch(step, algo.prompts_per_step)
+        if self.agent is not None:
+            groups = self.agent.generate(prompts, algo.group_size, seed)
+            samples = [sample for group in groups for sample in group]
+            rewards = [sample.reward for sample in samples]  # the environment's, summed over the episode
+        else:
+            groups, samples, rewards = self._generated_groups(prompts, seed)
+        buffer, penalty = algo.overlong(max_tokens)
+        shaped = self.algorithm.shape_rewards(rewards, [len(s.response_ids) for s in samples],
+                                              max_response_tokens=max_tokens, overlong_buffer=buffer,
+                                              overlong_penalty=penalty)
+        for sample, reward, value in zip(samples, rewards, shaped, strict=True):
+            sample.metadata["task_reward"] = reward
+            sample.reward = value
+        pod_metrics.record_rollout(sum(len(s.response_ids) for s in samples), time.perf_counter() - started)
+        return [list(group) for group in groups]
+
+    def _generated_groups(self, prompts: list[Prompt], seed: int) -> tuple[list[list[Sample]], list[Sample], list[float]]:
+        """Single responses from the engines, scored by ``spec.reward``: the groups, their samples
+        in order and the reward function's rewards."""
+        algo = self.spec.algorithm
+        max_tokens = self.spec.rollout.max_response_length
         groups = self.engines.generate([self._chat_ids(p.messages) for p in prompts], algo.group_size,
-                                       temperature=algo.temperature,
-                                       max_tokens=self.spec.rollout.max_response_length,
-                                       seed=algo.seed * 1_000_003 + step,
+                                       temperature=algo.temperature, max_tokens=max_tokens, seed=seed,
                                        top_p=algo.top_p, top_k=algo.top_k, stop=algo.stop or None)
         samples, inputs = [], []
         for index, (prompt, group) in enumerate(zip(prompts, groups, strict=True)):
@@ -142,47 +227,105 @@ class GRPODriver:
                     prompt=prompt.text, response=sample.response_text, answer=prompt.answer,
                     data_source=prompt.data_source, extra_info=prompt.extra_info,
                     prompt_tokens=len(sample.prompt_ids), response_tokens=len(sample.response_ids),
-                    max_response_tokens=self.spec.rollout.max_response_length,
-                    finish_reason=sample.finish_reason, group=index))
-        rewards = self.reward_fn(inputs)
-        for sample, reward in zip(samples, rewards, strict=True):
-            sample.reward = reward
-        pod_metrics.record_rollout(sum(len(s.response_ids) for s in samples), time.perf_counter() - started)
-        return samples
+                    max_response_tokens=max_tokens, finish_reason=sample.finish_reason, group=index))
+        return groups, samples, self.reward_fn(inputs)
+
+    def rollout(self, step: int) -> Rollout:
+        """The step's batch, its prompts' task rewards and the rollout's metrics. The batch holds
+        the groups the algorithm keeps (``keep_group``), refilled from extra rounds of prompts
+        (dynamic sampling, ``maxRefillRounds``), numbered in batch order. The task rewards are
+        those of the step's own prompts, before any filter: what ``reward_mean`` reports."""
+        algo = self.spec.algorithm
+        first = self._scored_groups(self.stream.batch(step, algo.prompts_per_step), algo.seed * 1_000_003 + step)
+        filled = fill_groups(
+            first, lambda round_, count: self._scored_groups(self.stream.refill(step, round_, count),
+                                                             refill_seed(algo.seed, step, round_)),
+            keep=lambda group: self.algorithm.keep_group([s.metadata["task_reward"] for s in group]),
+            want=algo.prompts_per_step, max_rounds=algo.refill_rounds())
+        if filled.padded:
+            log.warning("step %d: %d of %d groups have rewards that are all equal after %d refill rounds; "
+                        "training with them in the gaps (raise algorithm.maxRefillRounds)",
+                        step, filled.padded, algo.prompts_per_step, filled.rounds)
+        samples = []
+        for index, group in enumerate(filled.groups):
+            for sample in group:
+                sample.group = index
+                samples.append(sample)
+        task_rewards = [s.metadata["task_reward"] for group in first for s in group]
+        metrics = {"groups_dropped": float(filled.dropped), "groups_padded": float(filled.padded),
+                   "refill_rounds": float(filled.rounds), "groups_generated": float(filled.generated),
+                   "reward_shaping": sum(s.reward - s.metadata["task_reward"] for s in samples) / len(samples)}
+        if self.agent is not None:  # the batch's model tokens (trained) and tool/environment tokens (not)
+            model_tokens = sum(sum(s.loss_mask) for s in samples)
+            metrics.update(agent_model_tokens=float(model_tokens),
+                           agent_tool_tokens=float(sum(len(s.response_ids) for s in samples) - model_tokens),
+                           agent_turns=sum(s.metadata["turns"] for s in samples) / len(samples))
+        return samples, task_rewards, metrics
 
     def train_step(self, step: int) -> StepResult:
+        """Step ``step`` as ``kuberl.train.schedule.step_actions`` lays it out: its rollout (unless
+        generated already), with asyncRollout the next step's generated in the background beside
+        the updates, then the weight sync."""
         import torch
 
-        from kuberl.train.loss import group_advantages
-
         started = time.perf_counter()
-        samples = self.rollout(step)
-        colocated = self.plan.topology.colocated
-        if colocated:
-            self.engines.sleep()  # the trainer ranks get the GPUs' memory while they step
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-        advantages = group_advantages(rewards, torch.tensor([s.group for s in samples]))
-        for sample, advantage in zip(samples, advantages.tolist(), strict=True):
-            sample.advantage = advantage
-        batch = TrainBatch(samples)
-        # The behaviour policy's log-probs, before the first update: the ratio of every later
-        # update is measured against them (kuberl.train.updates).
-        batch.old_logprobs = self.trainer.log_probs(batch)
-        if self.spec.algorithm.kl_coef > 0:
-            batch.ref_logprobs = self.trainer.ref_log_probs(batch)
-        metrics = policy_updates(self.trainer, batch, self.spec.algorithm)
-        if colocated:
-            self.engines.wake_up()
-        self.weight_version += 1
-        sync = self.weight_sync.sync(self.weight_version)
+        actions = schedule.step_actions(step, self.total_steps, one_step_async=self.spec.algorithm.async_rollout,
+                                        held=step in self._rollouts)
+        for action in actions:
+            if isinstance(action, schedule.Generate):
+                self._rollouts[action.step] = (self._background.submit(self.rollout, action.step) if action.overlap
+                                               else _done(self.rollout(action.step)))
+            elif isinstance(action, schedule.Train):
+                samples, task_rewards, rollout_metrics = self._rollouts.pop(action.step).result()
+                metrics = self._update(samples)
+                # How many steps (weight versions) the trainer is ahead of the weights that
+                # generated the oldest sample: 0 synchronous, at most 1 asynchronous.
+                staleness = self.weight_version - min(s.weight_version for s in samples)
+            elif isinstance(action, schedule.Wait):
+                self._rollouts[action.step].result()
+            else:
+                self.weight_version = action.version
+                sync = self.weight_sync.sync(action.version)
         elapsed = time.perf_counter() - started
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        rewards = torch.tensor(task_rewards, dtype=torch.float64)
+        metrics.update(rollout_metrics)
         metrics.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0,
                        response_length=sum(len(s.response_ids) for s in samples) / len(samples),
                        step_seconds=elapsed, tokens_per_second=tokens / elapsed,
+                       rollout_staleness=float(staleness),
                        weight_sync_seconds=getattr(sync, "seconds", 0.0),
                        weight_sync_bytes=getattr(sync, "bytes", 0))
         return StepResult(step, metrics["reward_mean"], metrics, rewards.tolist())
+
+    def _update(self, samples: list[Sample]) -> dict[str, float]:
+        """Advantages, the log-probs the algorithm needs, and the policy updates on one rollout."""
+        import torch
+
+        colocated = self.plan.topology.colocated
+        if colocated:
+            self.engines.sleep()  # the trainer ranks get the GPUs' memory while they step
+        advantages = self.algorithm.advantages(torch.tensor([s.reward for s in samples], dtype=torch.float64),
+                                               torch.tensor([s.group for s in samples]))
+        for sample, advantage in zip(samples, advantages.tolist(), strict=True):
+            sample.advantage = advantage
+        batch = TrainBatch(samples)
+        for name in self.algorithm.logprobs(self.spec.algorithm.kl_coef):
+            setattr(batch, f"{name}_logprobs", self._logprobs(name, batch))
+        metrics = policy_updates(self.trainer, batch, self.spec.algorithm)
+        if colocated:
+            self.engines.wake_up()
+        return metrics
+
+    def _logprobs(self, name: str, batch: TrainBatch) -> list[list[float]]:
+        """The behaviour policy's ("old") log-probs, before the first update: the ratio of every
+        update is measured against them (kuberl.train.updates). Synchronous, the trainer
+        recomputes them with its own numerics: it still holds the weights that generated the
+        rollout. With asyncRollout it is a step ahead of those weights, so they are the engines'
+        (vLLM's, after temperature, as the tokens were drawn)."""
+        if name == "old" and self.spec.algorithm.async_rollout:
+            return engine_logprobs(batch.samples)
+        return getattr(self.trainer, LOGPROB_METHODS[name])(batch)
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -193,6 +336,8 @@ class GRPODriver:
             return
         self.step = state["step"]
         self.weight_version = state["weight_version"]
+        if "rollout" in state:  # generated by the weights before these (asyncRollout): not to regenerate
+            self._rollouts[self.step] = _done(rollout_from_state(state["rollout"]))
         # The engines still hold the initial weights: push the restored ones.
         self.weight_sync.sync(self.weight_version)
 
@@ -227,8 +372,11 @@ class GRPODriver:
                 if suspend:
                     self._hold_for_suspend()
         finally:
+            self._background.shutdown(wait=False, cancel_futures=True)
             self.checkpoints.close()
             self.trackers.close()
+            if self.agent is not None:
+                self.agent.close()
         return EXIT_OK, results
 
     def _validate(self, step: int) -> dict[str, float]:
@@ -245,7 +393,9 @@ class GRPODriver:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
 
     def save(self) -> None:
-        stall = self.checkpoints.save(self.step, {"weight_version": self.weight_version,
-                                                  "job": self.job.metadata.name})
+        state: dict[str, Any] = {"weight_version": self.weight_version, "job": self.job.metadata.name}
+        if self.step in self._rollouts:  # asyncRollout: the next step's, complete at a step boundary
+            state["rollout"] = rollout_state(self._rollouts[self.step].result())
+        stall = self.checkpoints.save(self.step, state)
         log.info("checkpoint step %d started: training stalled %.3f s; shards upload in the background",
                  self.step, stall)

@@ -1,4 +1,5 @@
-"""GRPO/PPO loss terms as plain functions on tensors.
+"""Policy-loss terms as plain functions on tensors (the algorithms in
+``kuberl.train.algorithms`` compose them).
 
 Shapes: per-token tensors are ``(batch, tokens)``; ``mask`` is 1 where a response token is
 trained on. Aggregation is token-level: the sum over every trained token of the batch divided by
@@ -45,6 +46,14 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     return loss, {"clipped_tokens": clipped_tokens}
 
 
+def sequence_sums(values: torch.Tensor, sequence_index: torch.Tensor, count: int) -> torch.Tensor:
+    """Per sequence, the sum of ``values`` over its positions: ``(count,)``. ``sequence_index``
+    (same shape as ``values``) names each position's sequence; multiply ``values`` by the mask
+    first, so positions outside a response add nothing."""
+    return torch.zeros(count, dtype=values.dtype, device=values.device).index_add_(
+        0, sequence_index.reshape(-1), values.reshape(-1))
+
+
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, *,
                total_tokens: float | torch.Tensor | None = None, clamp: float | None = None) -> torch.Tensor:
     """KL(policy || reference) with the k3 estimator ``exp(ref - lp) - (ref - lp) - 1`` (>= 0,
@@ -64,21 +73,33 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(log_p.exp() * log_p).sum(dim=-1)
 
 
-def group_advantages(rewards: torch.Tensor | list[float], group_ids: torch.Tensor | list[int],
-                     eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantages: ``(r - mean_group) / (std_group + eps)``, std unbiased (n - 1), as in the
-    GRPO paper's implementations; a group of one sample gets std 0 (advantage 0)."""
+def _grouped(rewards: torch.Tensor | list[float], group_ids: torch.Tensor | list[int]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``r - mean_group`` (float32), each sample's group index and each group's size (float32)."""
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
     group_ids = torch.as_tensor(group_ids)
     if rewards.shape != group_ids.shape or rewards.dim() != 1:
         raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} "
                          f"must be 1-D and of the same length")
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    n_groups = counts.numel()
     counts_f = counts.to(torch.float32)
-    sums = torch.zeros(n_groups).index_add_(0, inverse, rewards)
-    means = sums / counts_f
-    centred = rewards - means[inverse]
-    sq = torch.zeros(n_groups).index_add_(0, inverse, centred * centred)
-    std = torch.where(counts > 1, (sq / (counts_f - 1).clamp(min=1)).sqrt(), torch.zeros(n_groups))
+    sums = torch.zeros(counts.numel()).index_add_(0, inverse, rewards)
+    return rewards - (sums / counts_f)[inverse], inverse, counts_f
+
+
+def group_centred(rewards: torch.Tensor | list[float], group_ids: torch.Tensor | list[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``r - mean_group`` and each sample's group size, float32; samples of a group share
+    ``group_ids`` (dr-grpo's advantage; rloo's scales it by the group size)."""
+    centred, inverse, counts = _grouped(rewards, group_ids)
+    return centred, counts[inverse]
+
+
+def group_advantages(rewards: torch.Tensor | list[float], group_ids: torch.Tensor | list[int],
+                     eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages: ``(r - mean_group) / (std_group + eps)``, std unbiased (n - 1), as in the
+    GRPO paper's implementations; a group of one sample gets std 0 (advantage 0)."""
+    centred, inverse, counts = _grouped(rewards, group_ids)
+    sq = torch.zeros(counts.numel()).index_add_(0, inverse, centred * centred)
+    std = torch.where(counts > 1, (sq / (counts - 1).clamp(min=1)).sqrt(), torch.zeros_like(counts))
     return centred / (std[inverse] + eps)

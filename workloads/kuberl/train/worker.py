@@ -1,4 +1,4 @@
-"""One trainer rank: FSDP2 model, optimizer, log-probs, the GRPO step, state save/load, export.
+"""One trainer rank: FSDP2 model, optimizer, log-probs, the policy update, state save/load, export.
 
 Torch only (no Ray): ``group.TrainerGroup`` hosts one in each Ray actor; ``bench/train_moe.py``
 runs the same class under torchrun on machines without Ray.
@@ -23,6 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from kuberl.samples import SampleError, TrainBatch
 from kuberl.train import loss as L
 from kuberl.train import packing
+from kuberl.train.algorithms import registry
+from kuberl.train.algorithms.base import UpdateTotals
 from kuberl.train.logprobs import score_tokens
 from kuberl.train.model import ModelOptions, init_random_sharded_model, load_config, load_sharded_model
 from kuberl.train.moe import is_moe_config
@@ -36,6 +38,7 @@ METRIC_NAMES = ("loss", "pg_loss", "kl", "entropy", "aux_loss", "clipped_tokens"
 class TrainerConfig:
     """What a rank needs from ``spec.algorithm`` / ``spec.trainer``, as plain values."""
 
+    algorithm: str = "grpo"  # spec.algorithm.name: its policy loss (kuberl.train.algorithms)
     lr: float = 1e-6
     weight_decay: float = 0.0
     warmup_steps: int = 0
@@ -45,6 +48,7 @@ class TrainerConfig:
     clip_low: float = 0.2
     clip_high: float = 0.28
     micro_batch_size: int = 4
+    max_response_tokens: int | None = None  # rollout.maxResponseLength (dr-grpo's loss divisor)
     # > 0: packed micro-batches of up to this many tokens (kuberl.train.packing) instead of
     # micro_batch_size right-padded samples.
     micro_batch_tokens: int = 0
@@ -59,10 +63,11 @@ class TrainerConfig:
     def from_spec(cls, spec, *, on_gpu: bool) -> "TrainerConfig":
         algo, trainer = spec.algorithm, spec.trainer
         dtype = getattr(torch, trainer.param_dtype) if on_gpu else torch.float32
+        clip_low, clip_high = algo.clip_range()
         return cls(
-            lr=algo.learning_rate, weight_decay=algo.weight_decay, warmup_steps=algo.warmup_steps,
+            algorithm=algo.name, lr=algo.learning_rate, weight_decay=algo.weight_decay, warmup_steps=algo.warmup_steps,
             max_grad_norm=algo.max_grad_norm, kl_coef=algo.kl_coef, entropy_coef=algo.entropy_coef,
-            clip_low=algo.clip_ratio_low, clip_high=algo.clip_ratio_high,
+            clip_low=clip_low, clip_high=clip_high, max_response_tokens=spec.rollout.max_response_length,
             micro_batch_size=algo.micro_batch_size, micro_batch_tokens=trainer.micro_batch_tokens,
             temperature=algo.temperature, seed=algo.seed,
             log_prob_micro_batch_size=algo.log_prob_micro_batch_size, kl_clamp=algo.kl_clamp,
@@ -123,6 +128,15 @@ def make_micro_batch(batch: TrainBatch, device: torch.device, pad_id: int = 0,
     )
 
 
+def sequence_index(mb: MicroBatch) -> torch.Tensor:
+    """Each grid position's sample within the micro-batch (a packed row holds several); positions
+    outside every response get 0 and are out of the mask."""
+    index = torch.zeros(mb.mask.shape, dtype=torch.long)
+    for j, (row, start, n) in enumerate(zip(mb.response_rows, mb.response_starts, mb.response_lengths)):
+        index[row, start:start + n] = j
+    return index.to(mb.mask.device)
+
+
 def _rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
     return {
@@ -151,6 +165,7 @@ class TrainerWorker:
         on machines that cannot download a model), builds that model with random weights."""
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self.config = config
+        self.algorithm = registry.get(config.algorithm)
         self.model_path = model_path
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -290,19 +305,25 @@ class TrainerWorker:
         self.model.train()
         parts = self._rank_micro_batches(batch)
         micro = [self._micro_batch(p, w) for p, w in parts]
-        local_tokens = sum(mb.mask.sum() for mb in micro)
-        global_tokens = local_tokens.clone()
-        dist.all_reduce(global_tokens)
-        # FSDP2 averages gradients over ranks; each rank's loss is its share of the global token
-        # sum, so scaling by world_size makes the averaged gradient that of the global token mean.
+        indexes = [sequence_index(mb) for mb in micro]
+        # The update's trained tokens and sequences over all ranks: the algorithm's loss divisors.
+        counts = torch.stack([sum(mb.mask.sum() for mb in micro),
+                              sum((L.sequence_sums(mb.mask, index, len(mb.response_lengths)) > 0).sum()
+                                  for mb, index in zip(micro, indexes)).to(torch.float32)])
+        dist.all_reduce(counts)
+        global_tokens = counts[0]
+        totals = UpdateTotals(tokens=global_tokens, sequences=counts[1], max_response_tokens=cfg.max_response_tokens)
+        # FSDP2 averages gradients over ranks; each rank's loss is its share of the update's loss
+        # (divided by the global totals), so scaling by world_size makes the averaged gradient
+        # that of the whole update's loss.
         scale = float(self.world_size)
         sums = torch.zeros(len(METRIC_NAMES), dtype=torch.float32, device=self.device)
-        for mb in micro:
+        for mb, index in zip(micro, indexes):
             logprobs, entropy, aux = self._forward(self.model, mb, with_entropy=True)
             # On-policy single update: without old log-probs the ratio is exactly 1.
             old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
-            pg, extra = L.policy_loss(logprobs, old, mb.advantages, mb.mask, cfg.clip_low, cfg.clip_high,
-                                      total_tokens=global_tokens)
+            pg, extra = self.algorithm.policy_loss(logprobs, old, mb.advantages, mb.mask, index, totals,
+                                                   clip_low=cfg.clip_low, clip_high=cfg.clip_high)
             ent = L.masked_token_mean(entropy, mb.mask, global_tokens)
             kl = (L.kl_penalty(logprobs, mb.ref_logprobs, mb.mask, total_tokens=global_tokens, clamp=cfg.kl_clamp)
                   if cfg.kl_coef > 0 else torch.zeros((), device=self.device))

@@ -1,0 +1,179 @@
+"""A step's agent episodes, each a conversation with the rollout endpoint under an episode key.
+
+For each prompt, ``groupSize`` episodes. Each opens an episode key in the endpoint's
+``EpisodeLog``, with the run's sampling (``algorithm.temperature``, ``topP``, ``topK``, ``stop``,
+a seed per episode, ``agent.maxTokensPerTurn``), and plays one of the two forms of ``spec.agent``:
+
+- ``environment``: a Python class with ``reset``/``step`` (``kuberl.agents.environment``). The loop
+  here is an Anthropic Messages client: the model's reply comes from ``POST /v1/messages``, ``step``
+  turns it into an observation (a tool's output) that goes back as the next user message, until the
+  environment says done, ``maxTurns`` replies were made or the context is full. The reward is the
+  sum of the steps' rewards.
+- ``harness``: any program, run once per episode with the endpoint's address and the episode key
+  as its Anthropic and OpenAI API settings and the task as JSON on stdin; it talks to the endpoint
+  as it likes and prints ``{"reward": ...}`` as its last line of output.
+
+Either way the endpoint recorded every turn in tokens, and ``episode_to_sample`` makes them one
+sample whose loss mask is 1 on the model's tokens only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import httpx
+
+from kuberl.agents.environment import AgentError, Task, as_step, first_chat, load_environment
+from kuberl.rollout.server import NO_ROOM
+from kuberl.rollout.transitions import EpisodeLog, EpisodeSampling, episode_to_sample
+from kuberl.samples import Sample
+from kuberl.train.data import Prompt
+
+ANTHROPIC_VERSION = "2023-06-01"
+# A CPU engine under a full step's episodes answers slowly; a turn that takes longer is a fault.
+TURN_TIMEOUT_S = 600.0
+# What a harness inherits from the driver's environment: enough to run a program, none of the
+# job's credentials (checkpoint storage, trackers).
+HARNESS_INHERITS = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR")
+
+
+def episode_seed(seed: int, group: int, member: int) -> int:
+    """A pure function of (step seed, episode): a resumed run samples the same episodes."""
+    return random.Random(f"agent/{seed}/{group}/{member}").randrange(2**31)
+
+
+def task_json(prompt: Prompt, seed: int, max_tokens: int) -> str:
+    """What a harness reads on stdin."""
+    return json.dumps({"messages": list(prompt.messages), "answer": prompt.answer,
+                       "data_source": prompt.data_source, "extra_info": prompt.extra_info,
+                       "seed": seed, "max_tokens": max_tokens})
+
+
+class AgentRollout:
+    """Runs episodes against the endpoint at ``base_url``, which records them in ``episodes``."""
+
+    def __init__(self, spec: Any, *, base_url: str, model: str, episodes: EpisodeLog):
+        self.agent = spec.agent
+        algorithm = spec.algorithm
+        self.max_tokens = self.agent.max_tokens_per_turn or spec.rollout.max_response_length
+        self.sampling = EpisodeSampling(temperature=algorithm.temperature, top_p=algorithm.top_p,
+                                        top_k=algorithm.top_k, stop=tuple(algorithm.stop), max_tokens=self.max_tokens)
+        self.environment = load_environment(self.agent.environment) if self.agent.environment else None
+        self.base_url, self.model, self.episodes = base_url, model, episodes
+        self.client = httpx.Client(base_url=base_url, timeout=TURN_TIMEOUT_S)
+
+    def generate(self, prompts: Sequence[Prompt], group_size: int, seed: int) -> list[list[Sample]]:
+        """``group_size`` episode samples per prompt, in prompt order; ``Sample.group`` is the
+        prompt's index and ``Sample.reward`` the episode's reward."""
+        jobs = [(prompt, group, member) for group, prompt in enumerate(prompts) for member in range(group_size)]
+        with ThreadPoolExecutor(max_workers=min(self.agent.concurrency, len(jobs))) as pool:
+            samples = list(pool.map(lambda job: self.episode(*job, seed=seed), jobs))
+        return [samples[i:i + group_size] for i in range(0, len(samples), group_size)]
+
+    def episode(self, prompt: Prompt, group: int, member: int, *, seed: int) -> Sample:
+        form = self.agent.environment or "spec.agent.harness"
+        where = f"{form} (prompt {prompt.index}, episode {member})"
+        seed = episode_seed(seed, group, member)
+        key = self.episodes.open(dataclasses.replace(self.sampling, seed=seed))
+        try:
+            if self.environment is not None:
+                reward, info = self._play(prompt, key, seed, where)
+            else:
+                reward, info = self._harness(prompt, key, seed, where)
+        finally:
+            turns = self.episodes.close(key)
+        if not turns:
+            raise AgentError(f"{where}: the agent made no model call with its episode key (its Anthropic "
+                             f"or OpenAI API key)")
+        sample = episode_to_sample(turns, group=group, reward=reward, weight_version=turns[0].metadata["weight_version"])
+        if sample is None:
+            raise AgentError(f"{where}: the model produced no tokens in any turn")
+        sample.prompt_text = prompt.text
+        sample.metadata.update(answer=prompt.answer, **info)
+        return sample
+
+    # --- the environment form ----------------------------------------------------------------
+
+    def _play(self, prompt: Prompt, key: str, seed: int, where: str) -> tuple[float, dict]:
+        env = self.environment()
+        chat = first_chat(env.reset(Task(prompt.messages, prompt.answer, prompt.data_source, prompt.extra_info,
+                                         seed=seed)), where)
+        reward, replies, truncated = 0.0, 0, False
+        while True:
+            reply = self._reply(key, chat, where)
+            if reply is None:  # the context is full
+                truncated = True
+                break
+            replies += 1
+            step = as_step(env.step(reply), where)
+            reward += step.reward
+            if step.done:
+                break
+            if replies == self.agent.max_turns:
+                truncated = True
+                break
+            chat += [{"role": "assistant", "content": reply}, {"role": "user", "content": step.observation}]
+        return reward, {"replies": replies, "truncated": truncated}
+
+    def _reply(self, key: str, chat: list[dict[str, str]], where: str) -> str | None:
+        """The model's next reply, or None when the episode has no room left in the context. The
+        episode key makes the endpoint sample as the run says; the body carries only the chat."""
+        system = [m["content"] for m in chat if m["role"] == "system"]
+        body = {"model": self.model, "max_tokens": self.max_tokens,
+                "messages": [m for m in chat if m["role"] != "system"]}
+        if system:
+            body["system"] = "\n\n".join(system)
+        response = self.client.post("/v1/messages", json=body,
+                                    headers={"x-api-key": key, "anthropic-version": ANTHROPIC_VERSION})
+        if response.status_code != 200:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):  # not the API's error shape (a crashed handler)
+                message = response.text[:2000]
+            if response.status_code == 400 and NO_ROOM in message:
+                return None
+            raise AgentError(f"{where}: the rollout endpoint answered {response.status_code}: {message}")
+        return "".join(block["text"] for block in response.json()["content"] if block["type"] == "text")
+
+    # --- the harness form --------------------------------------------------------------------
+
+    def _harness(self, prompt: Prompt, key: str, seed: int, where: str) -> tuple[float, dict]:
+        harness = self.agent.harness
+        env = {name: os.environ[name] for name in HARNESS_INHERITS if name in os.environ}
+        env.update(ANTHROPIC_BASE_URL=self.base_url, ANTHROPIC_API_KEY=key, OPENAI_BASE_URL=f"{self.base_url}/v1",
+                   OPENAI_API_KEY=key, KUBERL_MODEL=self.model)
+        try:
+            done = subprocess.run(harness.command, input=task_json(prompt, seed, self.max_tokens), env=env,
+                                  capture_output=True, text=True, timeout=harness.timeout_seconds)
+        except FileNotFoundError:
+            raise AgentError(f"spec.agent.harness.command: {harness.command[0]!r} is not in the image "
+                             f"(PATH={env.get('PATH', '')})") from None
+        except subprocess.TimeoutExpired:
+            raise AgentError(f"{where}: the harness ran past spec.agent.harness.timeoutSeconds "
+                             f"({harness.timeout_seconds})") from None
+        if done.returncode != 0:
+            raise AgentError(f"{where}: the harness exited {done.returncode}; its stderr ends:\n"
+                             f"{done.stderr[-2000:]}")
+        return _harness_reward(done.stdout, where), {}
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _harness_reward(stdout: str, where: str) -> float:
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    try:
+        reward = float(json.loads(lines[-1])["reward"])
+    except (IndexError, ValueError, TypeError, KeyError):
+        raise AgentError(f'{where}: the harness must print {{"reward": <number>}} as its last line of '
+                         f"output; it ended with {lines[-1][:200] if lines else 'nothing'!r}") from None
+    if not math.isfinite(reward):
+        raise AgentError(f"{where}: the harness's reward is {reward}, not finite")
+    return reward
