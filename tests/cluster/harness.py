@@ -544,7 +544,9 @@ class Cluster:
         nodes = [node for node in nodes if self._imported[node.name].get(name) != image]
         if not nodes:
             return
-        images.check_room_for_import(image, len(nodes), nodes[0].root.parent)
+        present = [set(subprocess.run([*node.ctr(), "-n", "k8s.io", "content", "ls", "-q"], capture_output=True,
+                                      text=True, check=True).stdout.split()) for node in nodes]
+        images.check_room_for_import(image, present, nodes[0].root.parent)
         images.import_into([node.ctr() for node in nodes], image, name,
                            [self.log_dir / f"import-{node.name}.log" for node in nodes])
         for node in nodes:

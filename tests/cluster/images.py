@@ -18,6 +18,7 @@ node's containerd under the public name the manifests use (ghcr.io/kuberl/<name>
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -190,8 +191,6 @@ def _kubernetes_source() -> Path:
         [go, "mod", "download", "-json", f"k8s.io/kubernetes@{KUBERNETES_VERSION}"],
         cwd=workdir if workdir.is_dir() else None, env=_go_env(), capture_output=True, text=True,
     )
-    import json
-
     info = json.loads(result.stdout or "{}")
     if result.returncode != 0 or "Dir" not in info:
         raise ImageError(f"cannot locate the k8s.io/kubernetes@{KUBERNETES_VERSION} source: {info.get('Error') or result.stderr}")
@@ -297,23 +296,41 @@ def missing_images(names: tuple[str, ...] = NAMES) -> list[str]:
     return [n for n, tag in [("base", base_tag()), ("pause", PAUSE_IMAGE), *((n, local_tag(n)) for n in names)] if not image_exists(tag)]
 
 
-def image_size(tag: str) -> int:
-    out = subprocess.run(podman_argv("image", "inspect", "--format", "{{.Size}}", tag), capture_output=True, text=True)
-    return int(out.stdout.strip() or 0)
+def layer_sizes(tag: str) -> dict[str, int]:
+    """Uncompressed size of each layer of podman's image `tag`, by its diff digest (what a
+    `ctr images import` of the saved archive names the layer's blob in containerd's content store).
+    Sizes come from containers/storage's own layer index."""
+    out = subprocess.run(podman_argv("image", "inspect", "--format", "{{json .RootFS.Layers}}", tag),
+                         capture_output=True, text=True, check=True)
+    index = json.loads((storage_dir() / "storage" / "overlay-layers" / "layers.json").read_text())
+    sizes = {layer["diff-digest"]: layer.get("diff-size", 0) for layer in index if "diff-digest" in layer}
+    layers = json.loads(out.stdout)
+    unknown = [digest for digest in layers if digest not in sizes]
+    if unknown:
+        raise ImageError(f"{tag}: layers {unknown} are not in {storage_dir()}'s layer index")
+    return {digest: sizes[digest] for digest in layers}
 
 
-def check_room_for_import(tag: str, nodes: int, directory: Path) -> None:
-    """Each node's containerd keeps an imported image twice (its layers, and them unpacked): fail
-    before an import would fill the disk. A full disk does not just fail the import: the nodes'
+def import_need(layers: dict[str, int], present: list[set[str]]) -> int:
+    """Bytes an import of an image with `layers` (digest -> size) writes into nodes that hold the
+    `present` digests: each missing layer twice (blob and unpacked snapshot) per node."""
+    return 2 * sum(size for digests in present for digest, size in layers.items() if digest not in digests)
+
+
+def check_room_for_import(tag: str, present: list[set[str]], directory: Path) -> None:
+    """Each node's containerd keeps an imported layer twice (the blob, and it unpacked); layers a
+    node already holds (`present`: its content digests, one set per node) cost nothing. Fail
+    before an import would fill the disk: a full disk does not just fail the import, the nodes'
     kubelets then reclaim space by deleting images nothing can pull back (the pause image among
     them), and every pod after that fails to start."""
-    need = 2 * nodes * image_size(tag)
+    need = import_need(layer_sizes(tag), present)
     free = shutil.disk_usage(directory).free
     # Keep a tenth of the need spare for pods' logs and emptyDirs.
     if free < need * 1.1:
-        raise ImageError(f"importing {tag} into {nodes} node(s) needs about {need / 2**30:.1f} GiB under {directory}; "
-                         f"{free / 2**30:.1f} GiB are free. Free some space (old /tmp/kuberl-cluster-* directories "
-                         f"of killed runs, `podman --root {storage_dir()} image prune`), or use fewer real nodes.")
+        raise ImageError(f"importing {tag} into {len(present)} node(s) needs about {need / 2**30:.1f} GiB under "
+                         f"{directory}; {free / 2**30:.1f} GiB are free. Free some space (old /tmp/kuberl-cluster-* "
+                         f"directories of killed runs, `podman --root {storage_dir()} image prune`, "
+                         f"{cache_dir() / 'node-store'} when no test runs), or use fewer real nodes.")
 
 
 def import_into(ctrs: list[list[str]], image: str, name: str, logs: list[Path]) -> None:

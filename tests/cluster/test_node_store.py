@@ -76,3 +76,20 @@ def test_scrub_removes_the_last_sessions_containers_and_keeps_the_images(tmp_pat
     assert containers.split() == [], (tmp_path / "scrub.log").read_text()[-2000:]
     assert images.PAUSE_IMAGE in kept.split()
     stores.release()
+
+
+def test_an_import_needs_room_only_for_the_layers_a_node_lacks():
+    """A code change rebuilds worker-cpu's small top layer; its 6.7 GB dependency layer is
+    already in the kept nodes and costs no disk."""
+    layers = {"sha256:deps": 6_683_292_672, "sha256:kuberl": 63_238_144}
+    assert images.import_need(layers, [{"sha256:deps"}, {"sha256:deps"}]) == 2 * 2 * 63_238_144
+    assert images.import_need(layers, [set()]) == 2 * (6_683_292_672 + 63_238_144)
+    assert images.import_need(layers, [set(layers)]) == 0
+
+
+def test_layer_sizes_of_a_built_image_come_from_podmans_layer_index():
+    if os.geteuid() != 0 or host_tools_missing():
+        pytest.skip("needs root and podman (`bash .ci/setup --tests`)")
+    images.build(())
+    sizes = images.layer_sizes(images.PAUSE_IMAGE)
+    assert sizes and all(digest.startswith("sha256:") and size > 0 for digest, size in sizes.items())
