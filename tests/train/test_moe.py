@@ -86,3 +86,22 @@ def test_unknown_implementation_names_the_field():
     _, ours = _pair("grouped")
     with pytest.raises(ValueError, match="expertImplementation"):
         use_grouped_experts(ours, "fast")
+
+
+def test_grouped_layer_compiles_as_one_graph():
+    """Routing has shapes independent of the data, so a compiled decoder layer is one graph:
+    a graph break (bincount did this) would leave the routing eager between two graphs."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer, Qwen3MoeRotaryEmbedding
+
+    config = _config()
+    config._attn_implementation = "sdpa"
+    layer = Qwen3MoeDecoderLayer(config, 0).to(torch.bfloat16)  # _grouped_mm computes in bf16
+    assert use_grouped_experts(layer) == 1
+    hidden = torch.randn(1, 16, config.hidden_size, dtype=torch.bfloat16)
+    positions = torch.arange(16)[None]
+    cos, sin = Qwen3MoeRotaryEmbedding(config)(hidden, positions)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(layer.forward)(
+        hidden, position_embeddings=(cos.to(torch.bfloat16), sin.to(torch.bfloat16)), attention_mask=None,
+        position_ids=positions)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons

@@ -64,7 +64,9 @@ class GroupedExperts(nn.Module):
         # Stable sort: within an expert, rows keep token order (deterministic index_add order).
         order = torch.argsort(flat_experts, stable=True)
         token_of_row = order // top_k
-        counts = torch.bincount(flat_experts, minlength=self.num_experts)
+        # Not bincount: its output shape depends on the data, which breaks the compiled layer's
+        # graph in two (tests/train/test_moe.py checks the layer traces as one graph).
+        counts = flat_experts.new_zeros(self.num_experts).scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = hidden_states[token_of_row]
         gate, up = self._grouped(rows, self.gate_up_proj, offsets, counts).chunk(2, dim=-1)
