@@ -44,6 +44,8 @@ def test_openai_chat_completion(openai_client):
 def test_openai_completion_from_text_and_token_ids(openai_client):
     text = openai_client.completions.create(model=MODEL, prompt="abc", max_tokens=5, seed=1, logprobs=0)
     assert len(text.choices[0].logprobs.token_logprobs) == len(text.choices[0].model_extra["token_ids"])
+    # Each sampled token's text (vLLM's detokenizer's, kept for the logprobs object) spells the completion.
+    assert "".join(text.choices[0].logprobs.tokens).startswith(text.choices[0].text)
     ids = openai_client.completions.create(model=MODEL, prompt=text.model_extra["prompt_token_ids"],
                                            max_tokens=5, seed=1)
     assert ids.choices[0].text == text.choices[0].text

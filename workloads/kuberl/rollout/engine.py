@@ -102,7 +102,9 @@ class RolloutEngine:
         self.max_model_len = spec.rollout.max_prompt_length + spec.rollout.max_response_length
 
     # --- generation ------------------------------------------------------------------------
-    async def _one(self, prompt_ids: list[int], params, group: int) -> list[Sample]:
+    async def _one(self, prompt_ids: list[int], params, group: int, token_text: bool = False) -> list[Sample]:
+        """``token_text``: also keep each sampled token's text (``metadata["tokens"]``), as vLLM's
+        detokenizer already decoded it for the log-probs, for the HTTP APIs' logprobs objects."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -117,11 +119,13 @@ class RolloutEngine:
             ids = list(choice.token_ids)
             logprobs = ([entry[tok].logprob for tok, entry in zip(ids, choice.logprobs)]
                         if choice.logprobs is not None else None)
+            metadata = {"stop_reason": choice.stop_reason, "engine": self.engine_index}
+            if token_text and choice.logprobs is not None:
+                metadata["tokens"] = [entry[tok].decoded_token for tok, entry in zip(ids, choice.logprobs)]
             samples.append(Sample(
                 prompt_ids=list(prompt_ids), response_ids=ids, response_logprobs=logprobs,
                 weight_version=version, group=group, finish_reason=choice.finish_reason or "",
-                response_text=choice.text,
-                metadata={"stop_reason": choice.stop_reason, "engine": self.engine_index}))
+                response_text=choice.text, metadata=metadata))
         return samples
 
     def _check_prompt(self, prompt_ids: list[int], max_tokens: int, where: str) -> None:
@@ -159,11 +163,7 @@ class RolloutEngine:
         self._check_prompt(prompt_ids, max_tokens, "prompt")
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                 stop=stop or None, seed=seed, logprobs=0 if logprobs else None)
-        samples = await self._one(prompt_ids, params, 0)
-        if logprobs:
-            for sample in samples:  # per-token text, for the APIs' logprobs objects
-                sample.metadata["tokens"] = [self.tokenizer.decode([tok]) for tok in sample.response_ids]
-        return samples
+        return await self._one(prompt_ids, params, 0, token_text=logprobs)
 
     async def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-prob of each token given the ones before it (token 1 onwards), current weights."""
