@@ -86,8 +86,10 @@ def test_packed_chunked_path_matches_the_padded_full_logits_path():
     for key in ("loss", "pg_loss", "entropy", "tokens", "grad_norm"):
         assert m_ours[key] == pytest.approx(m_ref[key], rel=1e-4, abs=1e-6), key
     for name in w_ref:
-        # lr 1e-3: Adam turns a rounding-level gradient difference into up to ~lr-sized steps
-        torch.testing.assert_close(w_ours[name], w_ref[name], rtol=1e-4, atol=1e-5)
+        # lr 1e-3: Adam's first step is about lr * g / |g|, so where a gradient is near zero a
+        # rounding-level difference moves the step by a fraction of lr (1.4% seen on an AMD EPYC,
+        # whose BLAS rounds differently). A wrong mask or token moves many weights by ~lr.
+        torch.testing.assert_close(w_ours[name], w_ref[name], rtol=1e-4, atol=5e-5)
 
 
 def test_packed_training_resumes_bit_exactly(tmp_path):
@@ -121,3 +123,27 @@ def test_packed_training_resumes_bit_exactly(tmp_path):
     for name, value in second.model.state_dict().items():
         assert torch.equal(value.full_tensor(), weights[name]), name
     second.shutdown()
+
+
+def test_packed_decoder_layer_compiles_as_one_graph():
+    """The packed attention is traced into a compiled decoder layer, not left eager between two
+    graphs (measured on one H100: packed micro-batches 7% faster, docs/benchmarks.md)."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+
+    from kuberl.train.packing import PACKED_ATTENTION, attention_kwargs, position_ids, register_packed_attention
+
+    register_packed_attention()
+    config = Qwen3Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, intermediate_size=64)
+    config._attn_implementation = PACKED_ATTENTION
+    layer = Qwen3DecoderLayer(config, 0)
+    lengths = [5, 3, 8]
+    positions = position_ids(lengths, torch.device("cpu"))
+    hidden = torch.randn(1, sum(lengths), config.hidden_size)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(layer.forward)(
+        hidden, attention_mask=None, position_ids=positions,
+        position_embeddings=Qwen3RotaryEmbedding(config)(hidden, positions),
+        **attention_kwargs(lengths, torch.device("cpu")))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons

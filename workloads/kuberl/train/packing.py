@@ -12,7 +12,9 @@ flash-attention varlen kernel, ``torch.nn.attention.varlen``), otherwise a block
 mask through SDPA (CPU, and GPUs without the varlen kernel). Without packing kwargs it is plain
 causal SDPA: right-padded rows need no mask under causal attention, since no real token attends
 to a later position. transformers builds no mask for an attention implementation it does not
-know, so none of the ``[length x length]`` masks is ever allocated here.
+know, so none of the ``[length x length]`` masks is ever allocated here. The attention call is
+traced into each compiled decoder layer (one graph per layer; a varlen ``max_length`` that
+changes between micro-batches becomes a dynamic int after the first recompile).
 """
 
 from __future__ import annotations
@@ -49,11 +51,15 @@ def _varlen():
     return varlen_attn
 
 
+# Read once at import: inspecting inside the compiled decoder layer would break its graph.
+_VARLEN_PARAMS = frozenset(inspect.signature(_varlen()).parameters) if _varlen() is not None else frozenset()
+
+
 def _varlen_attention(query, key, value, cu, max_len, scaling):
     varlen_attn = _varlen()
     # (1, heads, T, D) -> (T, heads, D)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    params = inspect.signature(varlen_attn).parameters
+    params = _VARLEN_PARAMS
     groups = q.shape[1] // k.shape[1]
     kwargs = {"scale": scaling} if "scale" in params else {}
     if groups > 1:
@@ -81,7 +87,6 @@ def _masked_sdpa_attention(query, key, value, cu, scaling):
     return out.transpose(1, 2)
 
 
-@torch.compiler.disable  # varlen's int arguments change per micro-batch: keep it out of compiled blocks
 def packed_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                              scaling: float | None = None, **kwargs):
     """transformers attention interface: ``query`` ``(B, heads, T, D)`` -> ``((B, T, heads, D), None)``."""
