@@ -153,22 +153,27 @@ def checkpoint_before_suspend(job: t.RLTrainingJob, ray_job: dict[str, Any], now
     """While spec.suspend waits for the driver to checkpoint its last step, what it waits for;
     None once the cluster may go. KubeRay deletes a suspended RayJob's cluster without stopping
     its Ray job, so the driver (which reads spec.suspend after every step) saves first and then
-    holds; the operator suspends the RayJob once status.lastCheckpoint has caught up with
-    status.progress. It does not wait without a checkpoint.uri, without a running Ray job, before
-    the first step, or past the timeout."""
+    holds; the operator suspends the RayJob once the driver says it holds
+    (status.progress.heldForSuspend) and status.lastCheckpoint has caught up with
+    status.progress. Checkpoint and progress alone would not do: a suspend that lands mid-step
+    finds both at the previous step while the driver is still training the next. It does not
+    wait without a checkpoint.uri, without a running Ray job, before the first step, or past the
+    timeout."""
     status = job.status
     progress = status.progress if status else None
     if not job.spec.checkpoint.uri or o.deployment_status(ray_job) != o.DEPLOYMENT_RUNNING or progress is None:
         return None
     saved = status.last_checkpoint.step if status.last_checkpoint else 0
-    if saved >= progress.step:
+    if progress.held_for_suspend and saved >= progress.step:
         return None
     since = next((c.last_transition_time for c in status.conditions
                   if c.type == SUSPENDED and c.status == "True"), now)
     if (now - since).total_seconds() >= settings.suspend_checkpoint_timeout_seconds:
         return None
-    return (f"suspending: waiting for the driver to checkpoint step {progress.step} before the Ray cluster "
-            f"is deleted (at most {settings.suspend_checkpoint_timeout_seconds:.0f} s)")
+    doing = (f"checkpoint step {progress.step}" if progress.held_for_suspend
+             else f"end the step in flight (step {progress.step} is its last reported), checkpoint it and hold")
+    return (f"suspending: waiting for the driver to {doing} before the Ray cluster is deleted "
+            f"(at most {settings.suspend_checkpoint_timeout_seconds:.0f} s)")
 
 
 def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, settings: Settings) -> Plan:

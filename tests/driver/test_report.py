@@ -54,6 +54,15 @@ def test_workload_identity_patches_its_own_status_only(crd, tmp_path):
     assert status["progress"]["step"] == 3 and status["progress"]["totalSteps"] == 20
     assert status["progress"]["reward"] == 0.25
     assert status["lastCheckpoint"]["uri"] == "s3://ckpt/mine/step-000000003"
+    assert status["progress"]["heldForSuspend"] is False
+    # Holding for a suspend, and training on: the rest of progress stays.
+    reporter.held_for_suspend(True)
+    status = json.loads(cluster.kubectl("get", "rltj", "mine", "-n", ns, "-o", "json").stdout)["status"]
+    assert status["progress"]["heldForSuspend"] is True and status["progress"]["step"] == 3
+    reporter.progress(4, 20, 0.5, 120.0)
+    status = json.loads(cluster.kubectl("get", "rltj", "mine", "-n", ns, "-o", "json").stdout)["status"]
+    assert status["progress"]["heldForSuspend"] is False and status["progress"]["step"] == 4
+    reporter.progress(3, 20, 0.25, 123.0)
     printed = cluster.kubectl("get", "rltj", "mine", "-n", ns).stdout
     assert "0.25" in printed and " 3 " in printed
     # An error in the job's own input, as the CRD's schema takes it.

@@ -104,25 +104,37 @@ def test_suspend_and_resume_patch_the_rayjob():
 
 def test_suspend_waits_for_the_drivers_checkpoint_of_its_last_step_then_takes_the_cluster():
     """KubeRay deletes a suspended RayJob's cluster without stopping the Ray job: the operator
-    waits until the driver (which reads spec.suspend after each step) has checkpointed."""
+    waits until the driver (which reads spec.suspend after each step) holds with its last step
+    checkpointed."""
     running = ray_job("tiny", deployment="Running")
     progress = {"progress": {"step": 13, "totalSteps": 20}}
-    status = {**CHECKPOINT, **progress}
-    plan = next_action(job(suspend=True, checkpoint={"uri": ROOT}, status=status), observed(running), NOW, SETTINGS)
-    assert plan.suspend is None and plan.requeue_after == SETTINGS.suspend_poll_seconds
-    cond = {c["type"]: c for c in plan.status["conditions"]}["Suspended"]
-    assert cond["reason"] == "Checkpointing" and "checkpoint step 13" in cond["message"]
-    # The checkpoint of step 13 is in: the cluster may go.
-    saved = {"lastCheckpoint": {**CHECKPOINT["lastCheckpoint"], "step": 13}, **progress}
-    plan = next_action(job(suspend=True, checkpoint={"uri": ROOT}, status=saved), observed(running), NOW, SETTINGS)
-    assert plan.suspend == ("tiny", True)
+    held = {"progress": {"step": 13, "totalSteps": 20, "heldForSuspend": True}}
+    checkpointed_13 = {"lastCheckpoint": {**CHECKPOINT["lastCheckpoint"], "step": 13}}
+
+    def plan_for(status):
+        return next_action(job(suspend=True, checkpoint={"uri": ROOT}, status=status), observed(running), NOW,
+                           SETTINGS)
+
+    def waiting_for(plan):
+        assert plan.suspend is None and plan.requeue_after == SETTINGS.suspend_poll_seconds
+        cond = {c["type"]: c for c in plan.status["conditions"]}["Suspended"]
+        assert cond["reason"] == "Checkpointing"
+        return cond["message"]
+
+    # The driver holds, its checkpoint of step 13 still uploading.
+    assert "checkpoint step 13" in waiting_for(plan_for({**CHECKPOINT, **held}))
+    # Step 13 checkpointed (at its interval) but the driver does not hold: the suspend came
+    # mid-step, and step 14 is still training. Taking the cluster now would lose it.
+    assert "end the step in flight" in waiting_for(plan_for({**checkpointed_13, **progress}))
+    # Held, and the checkpoint of step 13 is in: the cluster may go.
+    assert plan_for({**checkpointed_13, **held}).suspend == ("tiny", True)
     # No driver answer within the timeout: suspended anyway.
-    waited = {**status, "conditions": [{"type": "Suspended", "status": "True", "reason": "Checkpointing",
-                                        "message": "", "lastTransitionTime": "2026-01-01T11:00:00Z"}]}
-    plan = next_action(job(suspend=True, checkpoint={"uri": ROOT}, status=waited), observed(running), NOW, SETTINGS)
-    assert plan.suspend == ("tiny", True)
+    waited = {**CHECKPOINT, **progress, "conditions": [
+        {"type": "Suspended", "status": "True", "reason": "Checkpointing", "message": "",
+         "lastTransitionTime": "2026-01-01T11:00:00Z"}]}
+    assert plan_for(waited).suspend == ("tiny", True)
     # Nothing to wait for without a checkpoint.uri.
-    plan = next_action(job(suspend=True, status=status), observed(running), NOW, SETTINGS)
+    plan = next_action(job(suspend=True, status={**CHECKPOINT, **progress}), observed(running), NOW, SETTINGS)
     assert plan.suspend == ("tiny", True)
 
 

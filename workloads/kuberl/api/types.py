@@ -634,6 +634,9 @@ class Progress(APIModel):
     updated_time: datetime | None = None
     validation_reward: float | None = None
     validation_step: int | None = None
+    held_for_suspend: bool = Field(False, description=(
+        "True while the driver, asked by spec.suspend, has checkpointed this step and starts no "
+        "next one; the operator has the Ray cluster deleted only then (or after 10 minutes)."))
 
 
 class CheckpointRef(APIModel):

@@ -168,8 +168,10 @@ class GRPODriver:
         first, training goes on."""
         log.info("suspend requested after step %d: %s; waiting for the Ray cluster to go", self.step,
                  "checkpointed" if self.checkpoints.enabled else "no checkpoint.uri, so nothing saved")
+        self.reporter.held_for_suspend(True)
         while self.reporter.suspend_requested():
             time.sleep(SUSPEND_POLL_SECONDS)
+        self.reporter.held_for_suspend(False)
         log.info("suspend withdrawn: training on from step %d", self.step)
 
     # --- one step ------------------------------------------------------------------------------

@@ -36,7 +36,13 @@ class StatusReporter:
                  "n/a" if reward is None else f"{reward:.4f}",
                  "n/a" if tokens_per_second is None else f"{tokens_per_second:.1f}")
         self._patch({"progress": {"step": step, "totalSteps": total_steps, "reward": reward,
-                                  "tokensPerSecond": tokens_per_second, "updatedTime": _now()}})
+                                  "tokensPerSecond": tokens_per_second, "updatedTime": _now(),
+                                  "heldForSuspend": False}})
+
+    def held_for_suspend(self, held: bool) -> None:
+        """Whether the driver holds after its last reported step for a suspend: the operator
+        deletes the Ray cluster only once it does, so no step is in flight when the cluster goes."""
+        self._patch({"progress": {"heldForSuspend": held}})
 
     def validation(self, step: int, reward: float) -> None:
         log.info("validation at step %d: reward %.4f", step, reward)
