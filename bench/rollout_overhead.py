@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import aiohttp
     import ray
+    from transformers import AutoTokenizer
 
     from kuberl import plan as plans
     from kuberl.api import RLTrainingJobSpec
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         loop = asyncio.new_event_loop()
         try:
             vllm_server.wait_ready()
-            url = pool.serve("127.0.0.1", 0)
+            url = pool.serve(AutoTokenizer.from_pretrained(model), "127.0.0.1", 0)
             session = loop.run_until_complete(_session(aiohttp))
 
             def actor():

@@ -24,7 +24,7 @@ def serve(tokenizer):
 
     def start(spec, engine_cls=ScriptedEngine):
         engine, episodes = engine_cls(tokenizer), EpisodeLog()
-        server = BackgroundServer(make_app(Pool(spec, engine), episodes), "127.0.0.1", 0)
+        server = BackgroundServer(make_app(Pool(spec, engine), tokenizer, episodes), "127.0.0.1", 0)
         server.start()
         servers.append(server)
         return server.url, episodes, engine

@@ -2,8 +2,8 @@
 
 Not vLLM: the agent tests check the recorded token ids exactly, which needs replies known in
 advance (a random tiny model almost never calls the tool), including ones real engines produce
-and text cannot carry (an unused token id that decodes to nothing). Its tokenization is the real
-``RolloutEngine``'s methods over the tiny model's real tokenizer. The endpoint over the real vLLM
+and text cannot carry (an unused token id that decodes to nothing). It only generates, as the
+real one does: the endpoint renders chats into ids itself, with the tiny model's real tokenizer. The endpoint over the real vLLM
 engine is tested in tests/rollout/test_http.py, and the whole loop in tests/driver/test_agent_e2e.py.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 
 from kuberl.api import RLTrainingJobSpec
-from kuberl.rollout.engine import RolloutEngine
 from kuberl.samples import Sample
 
 MODEL = "kuberl-tiny"
@@ -39,8 +38,6 @@ class ScriptedEngine:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.requests: list[dict] = []
-        self.chat_prompt = _Method(lambda *args: RolloutEngine.chat_prompt(self, *args))
-        self.continuation = _Method(lambda *args: RolloutEngine.continuation(self, *args))
         self.complete = _Method(self._complete)
 
     def reply_ids(self, prompt_ids: list[int]) -> list[int]:

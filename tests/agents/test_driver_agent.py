@@ -29,8 +29,8 @@ class Engines:
         self.pool = Pool(spec, self.engine)
         self.server = None
 
-    def serve(self, host="127.0.0.1", port=0, episodes=None):
-        self.server = BackgroundServer(make_app(self.pool, episodes), host, port)
+    def serve(self, tokenizer, host="127.0.0.1", port=0, episodes=None):
+        self.server = BackgroundServer(make_app(self.pool, tokenizer, episodes), host, port)
         self.server.start()
         return self.server.url
 

@@ -50,5 +50,7 @@ def pool(ray_session, spec, tiny_model):
 
 
 @pytest.fixture(scope="session")
-def base_url(pool) -> str:
-    return pool.serve("127.0.0.1", 0)
+def base_url(pool, tiny_model) -> str:
+    from transformers import AutoTokenizer
+
+    return pool.serve(AutoTokenizer.from_pretrained(tiny_model), "127.0.0.1", 0)

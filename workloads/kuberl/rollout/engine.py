@@ -98,7 +98,6 @@ class RolloutEngine:
             # A staged model's temp dir must not outlive an engine that failed to start.
             self._resources.close()
             raise
-        self.tokenizer = self.engine.get_tokenizer()
         self.max_model_len = spec.rollout.max_prompt_length + spec.rollout.max_response_length
 
     # --- generation ------------------------------------------------------------------------
@@ -180,21 +179,6 @@ class RolloutEngine:
             return [entry[tok].logprob for tok, entry in zip(seq[1:], final.prompt_logprobs[1:])]
 
         return list(await asyncio.gather(*(one(seq) for seq in sequences)))
-
-    # --- tokenization for the HTTP endpoint -------------------------------------------------
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=True,
-                                                       add_generation_prompt=True, return_dict=False))
-
-    def continuation(self, new_messages: list[dict], context: list[int], tools: list[dict] | None = None) -> list[int]:
-        """The tokens after ``context`` (an episode's last prompt and response) that add
-        ``new_messages`` and open the next assistant turn (``kuberl.rollout.continuation``)."""
-        from kuberl.rollout.continuation import continuation_ids
-
-        return continuation_ids(self.tokenizer, new_messages, context, tools)
-
-    def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
 
     # --- weights ----------------------------------------------------------------------------
     def weight_version(self) -> int:

@@ -88,13 +88,15 @@ class EnginePool:
     def wake_up(self) -> None:
         ray.get([engine.wake_up.remote() for engine in self.engines])
 
-    def serve(self, host: str = "127.0.0.1", port: int = 0, episodes=None) -> str:
+    def serve(self, tokenizer, host: str = "127.0.0.1", port: int = 0, episodes=None) -> str:
         """Start the OpenAI/Anthropic endpoint in a background thread; returns its base URL.
-        ``episodes``: the ``EpisodeLog`` that records agent episodes (the driver's)."""
+        ``tokenizer``: the model's (the driver's), which renders chats into prompt ids here so
+        the engines only generate; ``episodes``: the ``EpisodeLog`` that records agent episodes
+        (the driver's)."""
         from kuberl.rollout.server import BackgroundServer, make_app
 
         if self._server is None:
-            self._server = BackgroundServer(make_app(self, episodes), host, port)
+            self._server = BackgroundServer(make_app(self, tokenizer, episodes), host, port)
             self._server.start()
         return self._server.url
 

@@ -21,6 +21,9 @@ chat; such a turn is bounded by the context (``maxPromptLength + maxResponseLeng
 ``maxPromptLength``, and its ``max_tokens`` is capped at the room left. Episode turns are routed
 to one engine, whose prefix cache holds the conversation.
 
+Chats are rendered into prompt ids here, with the driver's copy of the model's tokenizer (the
+same files the engines load): an engine only generates, and a request is one Ray call to it.
+
 The hot path is kept thin, since every microsecond here is taken from the engines on small
 hosts: plain Starlette routes (no FastAPI dependency resolution per request), request bodies
 parsed and validated in one step by pydantic's Rust JSON parser, responses encoded by msgspec
@@ -43,6 +46,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kuberl.rollout.continuation import continuation_ids
 from kuberl.rollout.protocol import (ChatCompletionRequest, CompletionRequest, MessagesRequest, ToolUseBlock,
                                      assistant_message, reply_blocks)
 from kuberl.rollout.transitions import EpisodeLog, Transition
@@ -134,8 +138,15 @@ def api_key(request: Request) -> str | None:
 NO_ROOM = "leave no room"  # in the 400 a full episode gets: environment loops end the episode on it
 
 
-def make_app(pool, episodes: EpisodeLog | None = None) -> Starlette:
-    """``episodes``: the record of agent episodes whose keys the driver hands out."""
+def chat_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """A chat as the model's template renders it, opening the assistant's turn, in token ids."""
+    return list(tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True,
+                                              return_dict=False))
+
+
+def make_app(pool, tokenizer, episodes: EpisodeLog | None = None) -> Starlette:
+    """``tokenizer``: the served model's; ``episodes``: the record of agent episodes whose keys
+    the driver hands out."""
     episodes = episodes if episodes is not None else EpisodeLog()
     router = StickyRouter(len(pool.engines))
     rollout = pool.spec.rollout
@@ -158,17 +169,16 @@ def make_app(pool, episodes: EpisodeLog | None = None) -> Starlette:
     def engine_for(request: Request, user: str | None, key: str | None = None):
         return pool.engines[router.route(request.headers.get(SESSION_HEADER) or user or key)]
 
-    async def episode_prompt(engine, key: str | None, chat: list[dict],
-                             tools: list[dict] | None = None) -> tuple[list[int], bool]:
+    def episode_prompt(key: str | None, chat: list[dict], tools: list[dict] | None = None) -> tuple[list[int], bool]:
         """The turn's prompt ids, and whether they continue the episode's previous turn."""
         follows = episodes.continuation(key, chat) if key is not None else None
         if follows is None:
-            return await engine.chat_prompt.remote(chat, tools), False
+            return chat_ids(tokenizer, chat, tools), False
         context, new_messages = follows
         try:
-            return context + await engine.continuation.remote(new_messages, context, tools), True
+            return context + continuation_ids(tokenizer, new_messages, context, tools), True
         except ValueError as err:  # the template cannot be continued token by token
-            raise APIError(400, f"messages: {str(err).splitlines()[-1]}", param="messages") from None
+            raise APIError(400, f"messages: {err}", param="messages") from None
 
     def turn_tokens(prompt_ids: list[int], max_tokens: int, continued: bool, prompt_field: str,
                     tokens_field: str) -> int:
@@ -243,7 +253,7 @@ def make_app(pool, episodes: EpisodeLog | None = None) -> Starlette:
             raise APIError(400, "n: an episode key records one conversation; set n to 1", param="n")
         engine = engine_for(request, req.user, key)
         chat = [{"role": m.role, "content": m.text()} for m in req.messages]
-        prompt_ids, continued = await episode_prompt(engine, key, chat)
+        prompt_ids, continued = episode_prompt(key, chat)
         max_tokens = req.max_completion_tokens or req.max_tokens or min(
             rollout.max_response_length, max(1, max_model_len - len(prompt_ids)))
         params = episode_params(key, dict(temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens,
@@ -271,7 +281,7 @@ def make_app(pool, episodes: EpisodeLog | None = None) -> Starlette:
                                 "send the episode's turns to /v1/messages or /v1/chat/completions", param="prompt")
         engine = engine_for(request, req.user)
         prompt_ids = (list(req.prompt) if isinstance(req.prompt, list)
-                      else await engine.tokenize.remote(req.prompt))
+                      else list(tokenizer.encode(req.prompt, add_special_tokens=True)))
         check_length(prompt_ids, req.max_tokens, "prompt", "max_tokens")
         samples = await run(engine, prompt_ids, n=req.n, temperature=req.temperature, top_p=req.top_p,
                             max_tokens=req.max_tokens, stop=req.stop, seed=req.seed,
@@ -294,7 +304,7 @@ def make_app(pool, episodes: EpisodeLog | None = None) -> Starlette:
         key = episode_key(request)
         engine = engine_for(request, req.metadata.user_id if req.metadata else None, key)
         chat = req.chat_messages()
-        prompt_ids, continued = await episode_prompt(engine, key, chat, req.template_tools())
+        prompt_ids, continued = episode_prompt(key, chat, req.template_tools())
         params = episode_params(key, dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                           max_tokens=req.max_tokens, stop=req.stop_sequences, logprobs=False))
         params["max_tokens"] = turn_tokens(prompt_ids, params["max_tokens"], continued, "messages", "max_tokens")

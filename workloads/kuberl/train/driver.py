@@ -141,7 +141,7 @@ class GRPODriver:
             from kuberl.rollout.transitions import EpisodeLog
 
             episodes = EpisodeLog()
-            self.agent = AgentRollout(self.spec, base_url=engines.serve(episodes=episodes),
+            self.agent = AgentRollout(self.spec, base_url=engines.serve(tokenizer, episodes=episodes),
                                       model=engines.served_model_name, episodes=episodes)
         self.validator = None
         if self.spec.validation is not None:
