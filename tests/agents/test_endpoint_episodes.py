@@ -86,10 +86,7 @@ def test_calculator_episodes_through_the_endpoint_train_on_the_model_tokens_only
     spec = make_spec()
     base_url, episodes, engine = serve(spec)
     rollout = AgentRollout(spec, base_url=base_url, model=MODEL, episodes=episodes)
-    try:
-        groups = rollout.generate(prompts(), group_size=2, seed=11)
-    finally:
-        rollout.close()
+    groups = rollout.generate(prompts(), group_size=2, seed=11)
     assert [[s.group for s in group] for group in groups] == [[0, 0], [1, 1]]
     for prompt, group in zip(prompts(), groups):
         for sample in group:
@@ -119,10 +116,7 @@ def test_the_calculator_harness_plays_episodes_with_the_anthropic_sdk(serve, tok
     spec.agent.harness = AgentHarnessSpec(command=[sys.executable, "-m", "kuberl.agents.calculator"])
     base_url, episodes, engine = serve(spec)
     rollout = AgentRollout(spec, base_url=base_url, model=MODEL, episodes=episodes)
-    try:
-        (group,) = rollout.generate(prompts()[:1], group_size=2, seed=5)
-    finally:
-        rollout.close()
+    (group,) = rollout.generate(prompts()[:1], group_size=2, seed=5)
     for sample in group:
         assert sample.reward == pytest.approx(1.0) and sample.metadata["turns"] == 2
         untrained = [t for t, m in zip(sample.response_ids, sample.loss_mask) if not m]
@@ -146,7 +140,6 @@ def test_a_harness_that_fails_or_prints_no_reward_names_the_field(serve):
         rollout = AgentRollout(spec, base_url=base_url, model=MODEL, episodes=episodes)
         with pytest.raises(AgentError, match=re.escape(message)):
             rollout.episode(prompts()[0], 0, 0, seed=0)
-        rollout.close()
 
 
 def test_an_episode_that_fills_the_context_ends_there(serve):
@@ -155,10 +148,7 @@ def test_an_episode_that_fills_the_context_ends_there(serve):
     spec = make_spec(max_response_length=16)  # context 64: no room for the tool's reply
     base_url, episodes, _ = serve(spec)
     rollout = AgentRollout(spec, base_url=base_url, model=MODEL, episodes=episodes)
-    try:
-        (group,) = rollout.generate(prompts()[:1], group_size=2, seed=0)
-    finally:
-        rollout.close()
+    (group,) = rollout.generate(prompts()[:1], group_size=2, seed=0)
     for sample in group:
         assert sample.metadata == {**sample.metadata, "replies": 1, "truncated": True, "turns": 1}
         assert sample.reward == 0.0 and sample.loss_mask == [1, 1, 1]

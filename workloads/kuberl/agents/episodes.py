@@ -67,7 +67,6 @@ class AgentRollout:
                                         top_k=algorithm.top_k, stop=tuple(algorithm.stop), max_tokens=self.max_tokens)
         self.environment = load_environment(self.agent.environment) if self.agent.environment else None
         self.base_url, self.model, self.episodes = base_url, model, episodes
-        self.client = httpx.Client(base_url=base_url, timeout=TURN_TIMEOUT_S)
 
     def generate(self, prompts: Sequence[Prompt], group_size: int, seed: int) -> list[list[Sample]]:
         """``group_size`` episode samples per prompt, in prompt order; ``Sample.group`` is the
@@ -84,7 +83,12 @@ class AgentRollout:
         key = self.episodes.open(dataclasses.replace(self.sampling, seed=seed))
         try:
             if self.environment is not None:
-                reward, info = self._play(prompt, key, seed, where)
+                # A client per episode, used by its thread alone: httpx's sync connection pool,
+                # shared by threads, can close a connection that another thread was just given
+                # (encode/httpcore#1110), and that thread's read then fails with "Bad file
+                # descriptor". It failed one CI run here (tests/driver/test_agent_e2e.py).
+                with httpx.Client(base_url=self.base_url, timeout=TURN_TIMEOUT_S) as client:
+                    reward, info = self._play(client, prompt, key, seed, where)
             else:
                 reward, info = self._harness(prompt, key, seed, where)
         finally:
@@ -101,13 +105,13 @@ class AgentRollout:
 
     # --- the environment form ----------------------------------------------------------------
 
-    def _play(self, prompt: Prompt, key: str, seed: int, where: str) -> tuple[float, dict]:
+    def _play(self, client: httpx.Client, prompt: Prompt, key: str, seed: int, where: str) -> tuple[float, dict]:
         env = self.environment()
         chat = first_chat(env.reset(Task(prompt.messages, prompt.answer, prompt.data_source, prompt.extra_info,
                                          seed=seed)), where)
         reward, replies, truncated = 0.0, 0, False
         while True:
-            reply = self._reply(key, chat, where)
+            reply = self._reply(client, key, chat, where)
             if reply is None:  # the context is full
                 truncated = True
                 break
@@ -122,7 +126,7 @@ class AgentRollout:
             chat += [{"role": "assistant", "content": reply}, {"role": "user", "content": step.observation}]
         return reward, {"replies": replies, "truncated": truncated}
 
-    def _reply(self, key: str, chat: list[dict[str, str]], where: str) -> str | None:
+    def _reply(self, client: httpx.Client, key: str, chat: list[dict[str, str]], where: str) -> str | None:
         """The model's next reply, or None when the episode has no room left in the context. The
         episode key makes the endpoint sample as the run says; the body carries only the chat."""
         system = [m["content"] for m in chat if m["role"] == "system"]
@@ -130,8 +134,8 @@ class AgentRollout:
                 "messages": [m for m in chat if m["role"] != "system"]}
         if system:
             body["system"] = "\n\n".join(system)
-        response = self.client.post("/v1/messages", json=body,
-                                    headers={"x-api-key": key, "anthropic-version": ANTHROPIC_VERSION})
+        response = client.post("/v1/messages", json=body,
+                               headers={"x-api-key": key, "anthropic-version": ANTHROPIC_VERSION})
         if response.status_code != 200:
             try:
                 message = response.json()["error"]["message"]
@@ -162,9 +166,6 @@ class AgentRollout:
             raise AgentError(f"{where}: the harness exited {done.returncode}; its stderr ends:\n"
                              f"{done.stderr[-2000:]}")
         return _harness_reward(done.stdout, where), {}
-
-    def close(self) -> None:
-        self.client.close()
 
 
 def _harness_reward(stdout: str, where: str) -> float:

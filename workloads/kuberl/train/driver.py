@@ -377,8 +377,6 @@ class GRPODriver:
             self._background.shutdown(wait=False, cancel_futures=True)
             self.checkpoints.close()
             self.trackers.close()
-            if self.agent is not None:
-                self.agent.close()
         return EXIT_OK, results
 
     def _validate(self, step: int) -> dict[str, float]:
