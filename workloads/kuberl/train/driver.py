@@ -347,6 +347,10 @@ class GRPODriver:
         total = self.total_steps
         last = total if max_steps is None else min(total, self.step + max_steps)
         results = []
+        if self.step > 0:
+            # Resumed: the attempt before may have held for a suspend and left heldForSuspend true.
+            # From here on a step can be in flight, so a suspend must wait for this driver's hold.
+            self.reporter.held_for_suspend(False)
         try:
             if self.step == 0 and self.validator is not None and self.validator.due(0, total):
                 self._emit(0, self._validate(0))
