@@ -23,8 +23,27 @@ logger = logging.getLogger(__name__)
 WORKER_EXTENSION = "kuberl.sync.receiver.WeightReceiver"
 
 
+def batch_usage_context():
+    """The usage context kuberl's engines start under: vLLM's offline ``LLM`` class's. vLLM sizes
+    its batch limits by it: for ``LLM`` on a GPU of 70 GB or more, 1024 sequences and 16384
+    tokens a step (256 and 8192 below that); for the ``AsyncLLM`` default (``ENGINE_CONTEXT``)
+    only its generic 128 sequences and 2048 tokens, which would cut a step's 512 samples into
+    four decode waves. Rollouts are batch work, so they take the batch defaults.
+    ``spec.rollout.engineArgs`` still overrides both limits."""
+    from vllm.usage.usage_lib import UsageContext
+
+    return UsageContext.LLM_CLASS
+
+
 def engine_args(spec, local_model_path: str, served_model_name: str, *, engine_index: int):
     from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(**engine_kwargs(spec, local_model_path, served_model_name, engine_index=engine_index))
+
+
+def engine_kwargs(spec, local_model_path: str, served_model_name: str, *, engine_index: int) -> dict:
+    """vLLM engine arguments of engine ``engine_index`` (also what bench/rl_gpu.py gives a raw
+    ``LLM`` to compare against kuberl's engine with the same settings)."""
     from vllm.platforms import current_platform
 
     rollout = spec.rollout
@@ -64,7 +83,35 @@ def engine_args(spec, local_model_path: str, served_model_name: str, *, engine_i
     # CPU engines keep their eager mode whatever the spec says.
     kwargs.update(rollout.engine_args.model_dump(exclude_none=True))
     kwargs.update(cpu_only)
-    return AsyncEngineArgs(**kwargs)
+    return kwargs
+
+
+def rollout_sampling_params(*, n: int, temperature: float, max_tokens: int, top_p: float = 1.0, top_k: int = -1,
+                            stop: list[str] | None = None, seed: int | None = None):
+    """vLLM sampling parameters of one prompt's group in a rollout batch (``RolloutEngine.generate``).
+
+    The driver decodes the responses it scores itself, so vLLM detokenizes only to find stop
+    strings: incremental detokenization of every sequence at every step is host work the GPU
+    waits on. Flat log-probs: a few lists per request instead of a dict and a ``Logprob`` per
+    token, whose count grows with batch x length."""
+    from vllm import SamplingParams
+
+    return SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, top_p=top_p,
+                          top_k=top_k, stop=stop or None, seed=seed, detokenize=bool(stop), flat_logprobs=True)
+
+
+def sampled_logprobs(token_ids: list[int], logprobs) -> list[float] | None:
+    """The log-prob of each sampled token, from vLLM's per-position log-probs (``logprobs=0``:
+    the sampled token alone at each position), flat or as one dict per position."""
+    if logprobs is None:
+        return None
+    from vllm.logprobs import FlatLogprobs
+
+    if isinstance(logprobs, FlatLogprobs) and len(logprobs.logprobs) == len(token_ids):
+        if logprobs.token_ids != token_ids:
+            raise RuntimeError("vLLM returned log-probs of tokens other than the sampled ones")
+        return list(logprobs.logprobs)
+    return [entry[tok].logprob for tok, entry in zip(token_ids, logprobs)]
 
 
 class RolloutEngine:
@@ -92,7 +139,8 @@ class RolloutEngine:
             local = self._resources.enter_context(resolve(
                 paths.model, revision=paths.model_revision, trust_remote_code=spec.model.trust_remote_code))
             self.engine = AsyncLLM.from_engine_args(
-                engine_args(spec, local, served_model_name, engine_index=engine_index))
+                engine_args(spec, local, served_model_name, engine_index=engine_index),
+                usage_context=batch_usage_context())
             self._resources.callback(self.engine.shutdown)
         except BaseException:
             # A staged model's temp dir must not outlive an engine that failed to start.
@@ -116,8 +164,7 @@ class RolloutEngine:
         samples = []
         for choice in sorted(final.outputs, key=lambda c: c.index):
             ids = list(choice.token_ids)
-            logprobs = ([entry[tok].logprob for tok, entry in zip(ids, choice.logprobs)]
-                        if choice.logprobs is not None else None)
+            logprobs = sampled_logprobs(ids, choice.logprobs)
             metadata = {"stop_reason": choice.stop_reason, "engine": self.engine_index}
             if token_text and choice.logprobs is not None:
                 metadata["tokens"] = [entry[tok].decoded_token for tok, entry in zip(ids, choice.logprobs)]
@@ -140,16 +187,13 @@ class RolloutEngine:
                        stop: list[str] | None = None) -> list[list[Sample]]:
         """``n`` samples per prompt with the sampled tokens' log-probs; ``Sample.group`` is the
         prompt's index (plus ``group_offset``, for the pool's share of a larger batch)."""
-        from vllm import SamplingParams
-
         for i, prompt in enumerate(prompts):
             self._check_prompt(prompt, max_tokens, f"prompt {group_offset + i}")
         requests = []
         for i, prompt in enumerate(prompts):
             group = group_offset + i
-            params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0,
-                                    top_p=top_p, top_k=top_k, stop=stop or None,
-                                    seed=None if seed is None else seed + group)
+            params = rollout_sampling_params(n=n, temperature=temperature, max_tokens=max_tokens, top_p=top_p,
+                                             top_k=top_k, stop=stop, seed=None if seed is None else seed + group)
             requests.append(self._one(prompt, params, group))
         return list(await asyncio.gather(*requests))
 

@@ -16,10 +16,12 @@ rollout generated but not yet trained on), so a resumed run continues exactly wh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
 import signal
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -160,6 +162,8 @@ class GRPODriver:
         # (kuberl.train.schedule: at most the current step's and, asynchronous, the next one's).
         self._rollouts: dict[int, Future] = {}
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+        self._timing = threading.local()  # .phases: what _phase adds to, per thread
+        self._checkpoint_stall: float | None = None
 
     def _hold_for_suspend(self) -> None:
         """spec.suspend is true: the step is checkpointed; wait (no next step) while the operator
@@ -175,6 +179,20 @@ class GRPODriver:
         log.info("suspend withdrawn: training on from step %d", self.step)
 
     # --- one step ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        """Adds the block's wall time to this step's ``<name>_seconds`` metric (generate, reward,
+        logprobs, update, sleep, wake): where a step's time goes, per step, in the metrics file,
+        the trackers and bench/rl_gpu.py. Generate and reward are timed into the rollout's own
+        metrics (``rollout``), so with asyncRollout, where they run in the rollout thread beside
+        the other phases, they count in the step that trains on that rollout."""
+        phases = self._timing.phases
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
 
     def _chat_ids(self, messages: Sequence[dict]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
@@ -194,7 +212,8 @@ class GRPODriver:
         max_tokens = self.spec.rollout.max_response_length
         started = time.perf_counter()
         if self.agent is not None:
-            groups = self.agent.generate(prompts, algo.group_size, seed)
+            with self._phase("generate"):  # episodes: generation and the environment's rewards
+                groups = self.agent.generate(prompts, algo.group_size, seed)
             samples = [sample for group in groups for sample in group]
             rewards = [sample.reward for sample in samples]  # the environment's, summed over the episode
         else:
@@ -214,9 +233,10 @@ class GRPODriver:
         in order and the reward function's rewards."""
         algo = self.spec.algorithm
         max_tokens = self.spec.rollout.max_response_length
-        groups = self.engines.generate([self._chat_ids(p.messages) for p in prompts], algo.group_size,
-                                       temperature=algo.temperature, max_tokens=max_tokens, seed=seed,
-                                       top_p=algo.top_p, top_k=algo.top_k, stop=algo.stop or None)
+        with self._phase("generate"):
+            groups = self.engines.generate([self._chat_ids(p.messages) for p in prompts], algo.group_size,
+                                           temperature=algo.temperature, max_tokens=max_tokens, seed=seed,
+                                           top_p=algo.top_p, top_k=algo.top_k, stop=algo.stop or None)
         samples, inputs = [], []
         for index, (prompt, group) in enumerate(zip(prompts, groups, strict=True)):
             for sample in group:
@@ -230,13 +250,21 @@ class GRPODriver:
                     data_source=prompt.data_source, extra_info=prompt.extra_info,
                     prompt_tokens=len(sample.prompt_ids), response_tokens=len(sample.response_ids),
                     max_response_tokens=max_tokens, finish_reason=sample.finish_reason, group=index))
-        return groups, samples, self.reward_fn(inputs)
+        with self._phase("reward"):
+            return groups, samples, self.reward_fn(inputs)
 
     def rollout(self, step: int) -> Rollout:
         """The step's batch, its prompts' task rewards and the rollout's metrics. The batch holds
         the groups the algorithm keeps (``keep_group``), refilled from extra rounds of prompts
         (dynamic sampling, ``maxRefillRounds``), numbered in batch order. The task rewards are
         those of the step's own prompts, before any filter: what ``reward_mean`` reports."""
+        outer, self._timing.phases = getattr(self._timing, "phases", None), {}
+        try:
+            return self._rollout(step)
+        finally:
+            self._timing.phases = outer
+
+    def _rollout(self, step: int) -> Rollout:
         algo = self.spec.algorithm
         first = self._scored_groups(self.stream.batch(step, algo.prompts_per_step), algo.seed * 1_000_003 + step)
         filled = fill_groups(
@@ -262,6 +290,7 @@ class GRPODriver:
             metrics.update(agent_model_tokens=float(model_tokens),
                            agent_tool_tokens=float(sum(len(s.response_ids) for s in samples) - model_tokens),
                            agent_turns=sum(s.metadata["turns"] for s in samples) / len(samples))
+        metrics.update({f"{phase}_seconds": seconds for phase, seconds in self._timing.phases.items()})
         return samples, task_rewards, metrics
 
     def train_step(self, step: int) -> StepResult:
@@ -271,6 +300,7 @@ class GRPODriver:
         import torch
 
         started = time.perf_counter()
+        self._timing.phases = {}
         actions = schedule.step_actions(step, self.total_steps, one_step_async=self.spec.algorithm.async_rollout,
                                         held=step in self._rollouts)
         for action in actions:
@@ -298,6 +328,9 @@ class GRPODriver:
                        rollout_staleness=float(staleness),
                        weight_sync_seconds=getattr(sync, "seconds", 0.0),
                        weight_sync_bytes=getattr(sync, "bytes", 0))
+        metrics.update({f"{phase}_seconds": seconds for phase, seconds in self._timing.phases.items()})
+        if self._checkpoint_stall is not None:  # the checkpoint after the step before
+            metrics["checkpoint_stall_seconds"], self._checkpoint_stall = self._checkpoint_stall, None
         return StepResult(step, metrics["reward_mean"], metrics, rewards.tolist())
 
     def _update(self, samples: list[Sample]) -> dict[str, float]:
@@ -306,17 +339,21 @@ class GRPODriver:
 
         colocated = self.plan.topology.colocated
         if colocated:
-            self.engines.sleep()  # the trainer ranks get the GPUs' memory while they step
+            with self._phase("sleep"):
+                self.engines.sleep()  # the trainer ranks get the GPUs' memory while they step
         advantages = self.algorithm.advantages(torch.tensor([s.reward for s in samples], dtype=torch.float64),
                                                torch.tensor([s.group for s in samples]))
         for sample, advantage in zip(samples, advantages.tolist(), strict=True):
             sample.advantage = advantage
         batch = TrainBatch(samples)
         for name in self.algorithm.logprobs(self.spec.algorithm.kl_coef):
-            setattr(batch, f"{name}_logprobs", self._logprobs(name, batch))
-        metrics = policy_updates(self.trainer, batch, self.spec.algorithm)
+            with self._phase("logprobs"):
+                setattr(batch, f"{name}_logprobs", self._logprobs(name, batch))
+        with self._phase("update"):
+            metrics = policy_updates(self.trainer, batch, self.spec.algorithm)
         if colocated:
-            self.engines.wake_up()
+            with self._phase("wake"):
+                self.engines.wake_up()
         return metrics
 
     def _logprobs(self, name: str, batch: TrainBatch) -> list[list[float]]:
@@ -403,3 +440,5 @@ class GRPODriver:
         stall = self.checkpoints.save(self.step, state)
         log.info("checkpoint step %d started: training stalled %.3f s; shards upload in the background",
                  self.step, stall)
+        # Reported with the next step, the time between the two being when training stalled.
+        self._checkpoint_stall = stall
