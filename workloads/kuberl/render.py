@@ -442,9 +442,20 @@ def render_workload_identity(job: t.RLTrainingJob) -> list[dict[str, Any]]:
     ]
 
 
+def check_runnable_in_pods(job: t.RLTrainingJob) -> None:
+    """What the schema leaves to the renderer because a local ``kuberl train`` may do without it:
+    in a pod, the Secret the spec names is the only way in (locally, ``wandb login`` is)."""
+    wandb = job.spec.tracking.wandb
+    if wandb is not None and wandb.mode == "online" and wandb.credentials is None:
+        raise RenderError("spec.tracking.wandb.credentials: mode online needs a Secret with WANDB_API_KEY, "
+                          "which the head pod logs in with; set credentials: {name: <secret>}, or mode: "
+                          "offline to write the run for a later `wandb sync`")
+
+
 def render(job: t.RLTrainingJob, *, attempt: int = 0) -> list[dict[str, Any]]:
     """Every object for ``job``, in the order to apply them (identity and config before the RayJob).
     What an attempt restores comes from the spec alone (``kuberl.plan.resume``)."""
+    check_runnable_in_pods(job)
     return [
         *render_workload_identity(job),
         render_config_map(job, attempt=attempt),

@@ -8,10 +8,11 @@ itself rejects a bad manifest; ``kuberl.api.cel`` evaluates the same rules local
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
 from kuberl.uri import (CHECKPOINT_URI_PATTERN, DOT_SEGMENT_VIOLATION, MAX_REVISION_LENGTH,
@@ -74,6 +75,29 @@ def revision_in_uri_rule(field: str) -> dict:
     """A Hugging Face revision after '@' that git would accept (it reaches huggingface_hub's paths)."""
     return rule(f"!self.{field}.matches(r'{REVISION_IN_URI_VIOLATION}')",
                 f"the revision after '@' must be {REVISION_RULES_TEXT}", f".{field}")
+
+
+# What ``pkgutil.resolve_name`` imports: a dotted module, one colon, a name in that module.
+IMPORT_PATH_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+
+
+def import_path_help(what: str, example: str) -> str:
+    return (f"write module.path:{what} as Python imports it (a dotted module name, not a file name: no "
+            f"'/' or '.py'; one ':'; then the {what}'s name), e.g. {example}")
+
+
+def import_path_type(field: str, what: str, example: str) -> Any:
+    """A ``module.path:name`` string. The check is a CEL rule with a message (the API server) and a
+    validator with the same message (pydantic), not a ``pattern``, whose error is the bare regex."""
+    hint = import_path_help(what, example)
+
+    def check(value: str) -> str:
+        if not re.fullmatch(IMPORT_PATH_PATTERN, value):
+            raise ValueError(f"{value!r:.80} is not an import path: {hint}")
+        return value
+
+    return Annotated[str, AfterValidator(check), Field(max_length=512, json_schema_extra=_rules(
+        rule(f"self.matches(r'{IMPORT_PATH_PATTERN}')", f"{field} is not an import path: {hint}")))]
 
 
 # Bounds on every list and map: far above what a real job uses, far below what would carry an
@@ -150,6 +174,9 @@ class DataSpec(APIModel):
                              "how many (SkyRL's). Prompts are never truncated.")
 
 
+RewardFunctionPath = import_path_type("reward.function", "function", "my_rewards.math:score")
+
+
 class RewardSpec(APIModel):
     model_config = ConfigDict(json_schema_extra=_rules(
         rule("has(self.builtin) != has(self.function)",
@@ -160,14 +187,16 @@ class RewardSpec(APIModel):
                           "last '####' equals the answer, as lm-eval-harness and verl score GSM8K), "
                           "gsm8k_flexible (the last number equals it), or repeat_letter (a toy task: "
                           "the share of response characters equal to the answer letter).")
-    function: str | None = Field(
-        None, max_length=512, pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$",
-        description="An importable batch reward function, module.path:function, called with a list "
+    function: RewardFunctionPath | None = Field(
+        None, description="An importable batch reward function, module.path:function, called with a list "
                     "of kuberl.train.rewards.RewardInput (prompt, response, answer, data_source, "
                     "extra_info, token lengths) and returning one float per input (docs/rewards.md).")
     workers: int = Field(1, ge=1, le=1024, description="Parallel reward workers (Ray tasks); the step's "
                          "samples are split evenly among them.")
     cpus_per_worker: float = Field(1.0, gt=0, le=64, description="CPUs each reward worker reserves.")
+
+
+EnvironmentClassPath = import_path_type("agent.environment", "Class", "kuberl.agents.calculator:Calculator")
 
 
 class AgentHarnessSpec(APIModel):
@@ -188,9 +217,8 @@ class AgentSpec(APIModel):
     model_config = ConfigDict(json_schema_extra=_rules(
         rule("has(self.environment) != has(self.harness)", "agent: set exactly one of environment or harness"),
     ))
-    environment: str | None = Field(
-        None, max_length=512, pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$",
-        description="The environment class, module.path:Class (importable in the image), with "
+    environment: EnvironmentClassPath | None = Field(
+        None, description="The environment class, module.path:Class (importable in the image), with "
                     "reset(task) -> the chat to start from and step(reply) -> Step(observation, "
                     "reward, done), the gymnasium / skyrl-gym shape; made once per episode. Its "
                     "rewards, summed over the episode, replace spec.reward. Embedded: "
@@ -467,6 +495,8 @@ class ValidationSpec(APIModel):
     """Held-out evaluation: the reward of greedy (or sampled) responses on a separate file, with its
     own sampling parameters. The file uses spec.data's field names, template and system prompt."""
 
+    model_config = ConfigDict(json_schema_extra=_rules(dot_segment_rule("uri"), revision_in_uri_rule("uri")))
+
     uri: str = uri_field("Validation prompts: a .jsonl or .parquet file (or a prefix of them).")
     interval_steps: int = Field(10, ge=1, description="Validate every this many steps (and after the last).")
     before_training: bool = Field(True, description="Validate once before the first step (step 0).")
@@ -530,7 +560,7 @@ class Toleration(APIModel):
 
 class SchedulingSpec(APIModel):
     model_config = ConfigDict(json_schema_extra=_rules(
-        rule(f"self.nodeSelector.all(k, size(k) <= {MAX_LABEL_KEY})",
+        rule(f"!has(self.nodeSelector) || self.nodeSelector.all(k, size(k) <= {MAX_LABEL_KEY})",
              f"scheduling.nodeSelector keys are label keys: at most {MAX_LABEL_KEY} characters", ".nodeSelector"),
     ))
     node_selector: dict[str, Annotated[str, StringConstraints(max_length=MAX_LABEL_VALUE)]] = Field(

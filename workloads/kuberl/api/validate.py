@@ -67,6 +67,8 @@ def _plain(err: dict[str, Any]) -> str:
         return "unknown field (check its spelling and indentation)"
     if err["type"] == "missing":
         return "required field is missing"
+    if err["type"] == "value_error":  # a validator's own message, without pydantic's prefix
+        return str(err["ctx"]["error"])
     return err["msg"]
 
 
@@ -79,10 +81,15 @@ def _program(expr: str) -> celpy.Runner:
 def _cel_errors(value: Any, schema: dict[str, Any], path: str) -> list[str]:
     errors = []
     for rule in schema.get("x-kubernetes-validations", []):
-        result = _program(rule["rule"]).evaluate({"self": celpy.json_to_cel(value)})
-        if isinstance(result, Exception) or not bool(result):
-            where = path + rule.get("fieldPath", "")
-            errors.append(f"{where}: {rule['message']}")
+        try:
+            result = _program(rule["rule"]).evaluate({"self": celpy.json_to_cel(value)})
+        except celpy.CELEvalError as exc:
+            result = exc
+        if isinstance(result, Exception):
+            # The API server refuses the object too, with the evaluation error: so does this.
+            errors.append(f"{path}: {rule['message']} (the rule could not be evaluated: {result.args[0]})")
+        elif not bool(result):
+            errors.append(f"{path + rule.get('fieldPath', '')}: {rule['message']}")
     if isinstance(value, dict):
         for name, sub in schema.get("properties", {}).items():
             if name in value:
@@ -121,7 +128,8 @@ def uri_errors(job: RLTrainingJob) -> list[str]:
     wedging its reconcile."""
     spec = job.spec
     named = {"spec.model.uri": spec.model.uri, "spec.data.uri": spec.data.uri,
-             "spec.checkpoint.uri": spec.checkpoint.uri}
+             "spec.checkpoint.uri": spec.checkpoint.uri,
+             "spec.validation.uri": spec.validation.uri if spec.validation else None}
     if spec.checkpoint.resume not in ("auto", "never"):
         named["spec.checkpoint.resume"] = spec.checkpoint.resume
     errors = []
