@@ -72,6 +72,22 @@ def _plain(err: dict[str, Any]) -> str:
     return err["msg"]
 
 
+INT64 = range(-2**63, 2**63)
+
+
+def _as_decoded(value: Any) -> Any:
+    """``value`` as the API server's JSON decoder hands it to CEL: an integer beyond 64 bits is a
+    double there (in a number field, which the schema allows; in an integer field the schema has
+    already refused it). cel-python would overflow on it instead."""
+    if isinstance(value, dict):
+        return {k: _as_decoded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_decoded(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and value not in INT64:
+        return float(value)
+    return value
+
+
 @lru_cache(maxsize=256)
 def _program(expr: str) -> celpy.Runner:
     env = celpy.Environment()
@@ -82,7 +98,7 @@ def _cel_errors(value: Any, schema: dict[str, Any], path: str) -> list[str]:
     errors = []
     for rule in schema.get("x-kubernetes-validations", []):
         try:
-            result = _program(rule["rule"]).evaluate({"self": celpy.json_to_cel(value)})
+            result = _program(rule["rule"]).evaluate({"self": celpy.json_to_cel(_as_decoded(value))})
         except celpy.CELEvalError as exc:
             result = exc
         if isinstance(result, Exception):
