@@ -11,6 +11,7 @@ tests/cluster/test_kuberl_api.py against the real API server).
 from __future__ import annotations
 
 import math
+import sys
 import types
 import typing
 from typing import Any
@@ -21,6 +22,10 @@ from pydantic.fields import FieldInfo
 
 from kuberl.api import types as t
 from tests.api.bad_manifests import minimal_manifest
+
+# cel-python sets the recursion limit to 2500 each time it makes an environment (a rule's first
+# use); set first here, hypothesis does not see it change during a test and warn.
+sys.setrecursionlimit(max(sys.getrecursionlimit(), 2500))
 
 # Constraints the types keep in CEL rules or validators rather than in a field's constraints:
 # drawn mostly valid (so that many specs are), sometimes as any text (so that some are not).

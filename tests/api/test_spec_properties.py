@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from tests.api.spec_strategies import local_verdict, manifests
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(manifests())
 def test_every_spec_the_types_allow_is_rendered_or_refused_naming_a_field(manifest):
     verdict = local_verdict(manifest)
