@@ -328,7 +328,7 @@ QUANTITY_SUFFIXES = {"m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, 
 def _cpu_count(quantity: str) -> str:
     """Ray's --num-cpus from a Kubernetes CPU quantity (whole CPUs, at least 1): any quantity the
     schema accepts (500m, 2, 1.5, .5, 1k)."""
-    number = quantity.rstrip("kKMGTPEim")
+    number = quantity.rstrip("kMGTPEim")
     return str(max(1, int(float(number) * QUANTITY_SUFFIXES[quantity[len(number):]])))
 
 

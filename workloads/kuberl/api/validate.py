@@ -72,7 +72,7 @@ def _plain(err: dict[str, Any]) -> str:
     return err["msg"]
 
 
-INT64 = range(-2**63, 2**63)
+_INT64 = range(-2**63, 2**63)
 
 
 def _as_decoded(value: Any) -> Any:
@@ -83,7 +83,7 @@ def _as_decoded(value: Any) -> Any:
         return {k: _as_decoded(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_as_decoded(v) for v in value]
-    if isinstance(value, int) and not isinstance(value, bool) and value not in INT64:
+    if isinstance(value, int) and not isinstance(value, bool) and value not in _INT64:
         return float(value)
     return value
 
