@@ -1,6 +1,7 @@
 """The committed CRD (and the chart's copy) is exactly what the API types generate, and it is a
 structural schema the API server accepts."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,40 @@ def test_api_reference_is_generated_from_the_types():
     from kuberl.api.docs import DOC_PATH, render_docs
 
     assert DOC_PATH.read_text() == render_docs(), "docs/api.md is stale: run `python -m kuberl.api.docs --write`"
+
+
+_SELF_PATH = re.compile(r"\bself((?:\.[A-Za-z_][A-Za-z0-9_]*)+)(\()?")
+
+
+def _fields_read(expr: str):
+    """Each ``self.a.b`` a CEL expression reads, as ["a", "b"] (a trailing method call dropped)."""
+    for match in _SELF_PATH.finditer(expr):
+        parts = match.group(1).split(".")[1:]
+        yield parts[:-1] if match.group(2) else parts
+
+
+def _optional_prefixes(node: dict, parts: list[str]):
+    """The prefixes of ``parts`` that may be absent after defaulting: neither required nor defaulted."""
+    for i, part in enumerate(parts):
+        sub = node.get("properties", {}).get(part)
+        if sub is None:  # a map's key or a list's member: not a field of the schema
+            return
+        if part not in node.get("required", []) and "default" not in sub:
+            yield parts[:i + 1]
+        node = sub
+
+
+def test_every_cel_rule_guards_the_optional_fields_it_reads():
+    """The API server refuses an object whose rule reads an absent field ("no such key"), so a rule
+    on an optional field must ask has() first: a scheduling block without nodeSelector was refused."""
+    schema = generate_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    unguarded = []
+    for path, node in _walk(schema):
+        for rule in node.get("x-kubernetes-validations", []):
+            for parts in _fields_read(rule["rule"]):
+                if path == "schema" and parts[0] == "metadata":
+                    continue  # the API server sets metadata.name on every object (generateName too)
+                for prefix in _optional_prefixes(node, parts):
+                    if f"has(self.{'.'.join(prefix)})" not in rule["rule"]:
+                        unguarded.append(f"{path}: {rule['rule']} reads self.{'.'.join(prefix)}")
+    assert not unguarded, "guard these with has():\n" + "\n".join(unguarded)

@@ -2,7 +2,8 @@
 
 The CRD (crds/), the examples (examples/), the bad-manifest table
 (tests/api/bad_manifests.py) and `kuberl.render.render_manifest` are the
-foundation issue's; this checks that the API server agrees with them.
+foundation issue's; this checks that the API server agrees with them, and
+that it accepts every spec the API types allow and `kuberl render` accepts.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, event, given, settings
 
+from tests.api.spec_strategies import local_verdict, manifests
 from tests.cluster.harness import REPO_ROOT
 from tests.cluster.helpers import get_json, wait_for
 from tests.cluster.test_kuberay import wait_for_running_ray_pods
@@ -96,7 +99,7 @@ def test_bad_manifest_is_rejected_by_the_api_server(k8s_cluster, kuberl_crd, nam
 @pytest.mark.parametrize("case", [c for c in _bad_manifests() if not c.server], ids=lambda case: case.id)
 def test_what_the_api_server_lets_through_the_renderer_rejects(k8s_cluster, kuberl_crd, namespace, case):
     from kuberl.api.validate import ManifestError
-    from kuberl.render import render_manifest
+    from kuberl.render import RenderError, render_manifest
     from kuberl.uri import URIError
 
     result = _create(k8s_cluster, case.manifest, namespace)
@@ -106,9 +109,70 @@ def test_what_the_api_server_lets_through_the_renderer_rejects(k8s_cluster, kube
     stored = json.loads(result.stdout)
     job = {key: stored[key] for key in ("apiVersion", "kind", "spec")}
     job["metadata"] = {k: stored["metadata"][k] for k in ("name", "namespace", "uid")}
-    with pytest.raises((ManifestError, URIError)) as info:
+    with pytest.raises((ManifestError, RenderError, URIError)) as info:
         render_manifest(job)
     assert case.message in str(info.value)
+
+
+# Valid scheduling blocks without nodeSelector: the API server refused each with "no such key:
+# nodeSelector" while `kuberl render` accepted it, so no job could set a queue or tolerations alone.
+SCHEDULING_WITHOUT_NODE_SELECTOR = {
+    "empty": {},
+    "tolerations-only": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+    "priority-class-only": {"priorityClassName": "high-priority"},
+    "queue-only": {"queueName": "team-a"},
+}
+
+
+@pytest.mark.parametrize("scheduling", SCHEDULING_WITHOUT_NODE_SELECTOR.values(),
+                         ids=SCHEDULING_WITHOUT_NODE_SELECTOR.keys())
+def test_a_scheduling_block_without_node_selector_is_accepted(k8s_cluster, kuberl_crd, namespace, scheduling):
+    from kuberl.render import render_manifest
+    from tests.api.bad_manifests import minimal_manifest
+
+    manifest = minimal_manifest("scheduling")
+    manifest["spec"]["scheduling"] = scheduling
+    assert "RayJob" in [o["kind"] for o in render_manifest(manifest)]
+    result = _create(k8s_cluster, manifest, namespace)
+    assert result.returncode == 0, f"the API server refused {scheduling}: {result.stderr.strip()}"
+
+
+def _server_verdict(cluster, namespace: str, manifest: dict) -> str | None:
+    """None when the API server accepts ``manifest`` in a server-side dry run (nothing is stored),
+    else its message."""
+    from kubernetes.client import CustomObjectsApi
+    from kubernetes.client.exceptions import ApiException
+
+    from kuberl.api.types import GROUP, PLURAL, VERSION
+
+    try:
+        CustomObjectsApi(cluster.api_client()).create_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, manifest, dry_run="All")
+    except ApiException as exc:
+        if exc.status != 422:  # Unprocessable: the object is invalid; anything else is the harness's
+            raise
+        return json.loads(exc.body)["message"]
+    return None
+
+
+@settings(max_examples=100, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(manifest=manifests())
+def test_the_api_server_accepts_every_spec_render_accepts(k8s_cluster, kuberl_crd, namespace, manifest):
+    """Specs drawn from the API types (tests/api/spec_strategies.py), each to the API server in a
+    server-side dry run: every one `kuberl render` accepts, the server accepts; so what the
+    server refuses, render refuses too (render may refuse more: its checks go deeper). Neither
+    refuses one because a rule could not be evaluated. The namespace is shared by the examples:
+    a dry run stores nothing."""
+    local = local_verdict(manifest)
+    server = _server_verdict(k8s_cluster, namespace, manifest)
+    event(f"render {'accepts' if local is None else 'refuses'}, API server {'accepts' if server is None else 'refuses'}")
+    assert server is None or local is not None, (
+        f"the API server refuses what kuberl render accepts: {server}\nspec: {json.dumps(manifest['spec'])}")
+    # A rule that cannot be evaluated is the CRD's fault, whoever reports it: the spec is one the
+    # types allow, and the user could not fix it.
+    assert "evaluating rule" not in (server or ""), f"{server}\nspec: {json.dumps(manifest['spec'])}"
+    assert "could not be evaluated" not in (local or ""), local
 
 
 def test_rendered_rayjob_runs_and_deleting_the_job_collects_everything(k8s_cluster, kuberl_crd, namespace):

@@ -13,8 +13,11 @@ from pathlib import Path
 
 import yaml
 
+from kuberl import usercode
+from kuberl.agents.environment import AgentError
 from kuberl.api.validate import ManifestError, validate_manifest
 from kuberl.train.data import DataError, load_for_spec
+from kuberl.train.rewards import RewardError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, yaml.YAMLError, ManifestError) as exc:
         print(f"kuberl check-data: --config {args.config}: {exc}", file=sys.stderr)
         return 2
+    if not args.validation:
+        # The head pod's first container with the worker image: the code the job names is loaded
+        # here too, so a missing module fails before Ray, engines or trainers start.
+        try:
+            usercode.check(job.spec)
+        except (RewardError, AgentError) as exc:
+            print(f"kuberl check-data: {exc}", file=sys.stderr)
+            return 1
     section = "spec.validation" if args.validation else "spec.data"
     try:
         prompts = load_for_spec(args.path, job.spec.data, spec_field=section)

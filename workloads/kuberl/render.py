@@ -320,11 +320,16 @@ def ray_start_resources(resources: dict[str, int]) -> str:
     return f"'{json.dumps(resources)}'"
 
 
+# The suffixes of a Kubernetes quantity (t.QUANTITY_PATTERN) and what they multiply by.
+QUANTITY_SUFFIXES = {"m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+                     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
 def _cpu_count(quantity: str) -> str:
-    """Ray's --num-cpus from a Kubernetes CPU quantity (whole CPUs, at least 1)."""
-    if quantity.endswith("m"):
-        return str(max(1, int(quantity[:-1]) // 1000))
-    return str(max(1, int(float(quantity))))
+    """Ray's --num-cpus from a Kubernetes CPU quantity (whole CPUs, at least 1): any quantity the
+    schema accepts (500m, 2, 1.5, .5, 1k)."""
+    number = quantity.rstrip("kMGTPEim")
+    return str(max(1, int(float(number) * QUANTITY_SUFFIXES[quantity[len(number):]])))
 
 
 def _worker_group(job: t.RLTrainingJob, group: str, replicas: int, res: t.Resources, gpus: int,
@@ -442,9 +447,20 @@ def render_workload_identity(job: t.RLTrainingJob) -> list[dict[str, Any]]:
     ]
 
 
+def check_runnable_in_pods(job: t.RLTrainingJob) -> None:
+    """What the schema leaves to the renderer because a local ``kuberl train`` may do without it:
+    in a pod, the Secret the spec names is the only way in (locally, ``wandb login`` is)."""
+    wandb = job.spec.tracking.wandb
+    if wandb is not None and wandb.mode == "online" and wandb.credentials is None:
+        raise RenderError("spec.tracking.wandb.credentials: mode online needs a Secret with WANDB_API_KEY, "
+                          "which the head pod logs in with; set credentials: {name: <secret>}, or mode: "
+                          "offline to write the run for a later `wandb sync`")
+
+
 def render(job: t.RLTrainingJob, *, attempt: int = 0) -> list[dict[str, Any]]:
     """Every object for ``job``, in the order to apply them (identity and config before the RayJob).
     What an attempt restores comes from the spec alone (``kuberl.plan.resume``)."""
+    check_runnable_in_pods(job)
     return [
         *render_workload_identity(job),
         render_config_map(job, attempt=attempt),

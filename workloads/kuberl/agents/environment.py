@@ -16,12 +16,12 @@ An episode's reward is the sum of its steps' rewards.
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from kuberl.train.data import ROLES
+from kuberl.usercode import resolve
 
 
 class AgentError(ValueError):
@@ -57,16 +57,10 @@ FIELD = "spec.agent.environment"
 
 def load_environment(path: str) -> type[Environment]:
     """The class ``module.path:Class`` names; errors name the field and what to fix."""
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise AgentError(f"{FIELD}: cannot import {module_name!r}: {exc}; install the module in the "
-                         f"image or fix the path (module.path:Class)") from exc
-    cls = getattr(module, attr, None)
+    cls = resolve(path, FIELD, "class", AgentError)
     if not isinstance(cls, type):
-        raise AgentError(f"{FIELD}: {module_name!r} has no class {attr!r}; fix the class name "
-                         f"(module.path:Class)")
+        raise AgentError(f"{FIELD}: {path} is a {type(cls).__name__}, not a class; name the environment "
+                         f"class after ':'")
     missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
     if missing:
         raise AgentError(f"{FIELD}: {path} has no {' or '.join(missing)} method; an environment class "

@@ -8,10 +8,11 @@ itself rejects a bad manifest; ``kuberl.api.cel`` evaluates the same rules local
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
 from kuberl.uri import (CHECKPOINT_URI_PATTERN, DOT_SEGMENT_VIOLATION, MAX_REVISION_LENGTH,
@@ -75,6 +76,34 @@ def revision_in_uri_rule(field: str) -> dict:
     return rule(f"!self.{field}.matches(r'{REVISION_IN_URI_VIOLATION}')",
                 f"the revision after '@' must be {REVISION_RULES_TEXT}", f".{field}")
 
+
+# What ``pkgutil.resolve_name`` imports: a dotted module, one colon, a name in that module.
+IMPORT_PATH_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+
+
+def import_path_help(what: str, example: str) -> str:
+    return (f"write module.path:{what} as Python imports it (a dotted module name, not a file name: no "
+            f"'/' or '.py'; one ':'; then the {what}'s name), e.g. {example}")
+
+
+def import_path_type(field: str, what: str, example: str) -> Any:
+    """A ``module.path:name`` string. The check is a CEL rule with a message (the API server) and a
+    validator with the same message (pydantic), not a ``pattern``, whose error is the bare regex."""
+    hint = import_path_help(what, example)
+
+    def check(value: str) -> str:
+        if not re.fullmatch(IMPORT_PATH_PATTERN, value):
+            raise ValueError(f"{value!r:.80} is not an import path: {hint}")
+        return value
+
+    return Annotated[str, AfterValidator(check), Field(max_length=512, json_schema_extra=_rules(
+        rule(f"self.matches(r'{IMPORT_PATH_PATTERN}')", f"{field} is not an import path: {hint}")))]
+
+
+# Bounds on every number: the API server and CEL hold integers in 64 bits (a larger one is refused
+# by the server and overflows the local CEL evaluator); counts of steps stay far below that.
+MAX_STEPS = 10_000_000
+MAX_INT32 = 2**31 - 1
 
 # Bounds on every list and map: far above what a real job uses, far below what would carry an
 # object toward etcd's size limit (each entry is copied into every pod template of the RayJob).
@@ -150,6 +179,9 @@ class DataSpec(APIModel):
                              "how many (SkyRL's). Prompts are never truncated.")
 
 
+RewardFunctionPath = import_path_type("reward.function", "function", "my_rewards.math:score")
+
+
 class RewardSpec(APIModel):
     model_config = ConfigDict(json_schema_extra=_rules(
         rule("has(self.builtin) != has(self.function)",
@@ -160,14 +192,16 @@ class RewardSpec(APIModel):
                           "last '####' equals the answer, as lm-eval-harness and verl score GSM8K), "
                           "gsm8k_flexible (the last number equals it), or repeat_letter (a toy task: "
                           "the share of response characters equal to the answer letter).")
-    function: str | None = Field(
-        None, max_length=512, pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$",
-        description="An importable batch reward function, module.path:function, called with a list "
+    function: RewardFunctionPath | None = Field(
+        None, description="An importable batch reward function, module.path:function, called with a list "
                     "of kuberl.train.rewards.RewardInput (prompt, response, answer, data_source, "
                     "extra_info, token lengths) and returning one float per input (docs/rewards.md).")
     workers: int = Field(1, ge=1, le=1024, description="Parallel reward workers (Ray tasks); the step's "
                          "samples are split evenly among them.")
     cpus_per_worker: float = Field(1.0, gt=0, le=64, description="CPUs each reward worker reserves.")
+
+
+EnvironmentClassPath = import_path_type("agent.environment", "Class", "kuberl.agents.calculator:Calculator")
 
 
 class AgentHarnessSpec(APIModel):
@@ -188,9 +222,8 @@ class AgentSpec(APIModel):
     model_config = ConfigDict(json_schema_extra=_rules(
         rule("has(self.environment) != has(self.harness)", "agent: set exactly one of environment or harness"),
     ))
-    environment: str | None = Field(
-        None, max_length=512, pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$",
-        description="The environment class, module.path:Class (importable in the image), with "
+    environment: EnvironmentClassPath | None = Field(
+        None, description="The environment class, module.path:Class (importable in the image), with "
                     "reset(task) -> the chat to start from and step(reply) -> Step(observation, "
                     "reward, done), the gymnasium / skyrl-gym shape; made once per episode. Its "
                     "rewards, summed over the episode, replace spec.reward. Embedded: "
@@ -253,10 +286,10 @@ class AlgorithmSpec(APIModel):
     group_size: int = Field(8, ge=2, le=1024, description="Samples per prompt; advantages are normalised within a group.")
     prompts_per_step: int = Field(32, ge=1, le=65536, description="Prompts per training step.")
     micro_batch_size: int = Field(4, ge=1, le=4096, description="Samples per forward/backward on one rank.")
-    total_steps: int = Field(100, ge=1, le=10_000_000, description="Training steps to run (unless epochs is set).")
+    total_steps: int = Field(100, ge=1, le=MAX_STEPS, description="Training steps to run (unless epochs is set).")
     learning_rate: float = Field(1e-6, gt=0, le=1, description="AdamW learning rate.")
     weight_decay: float = Field(0.01, ge=0, le=1, description="AdamW weight decay (verl, SkyRL and NeMo-RL use 0.01).")
-    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in optimizer updates.")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Linear learning-rate warm-up, in optimizer updates.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy; 0 "
                            "(the default, as in verl and DAPO) disables it and keeps no reference model.")
@@ -446,7 +479,7 @@ class CheckpointSpec(APIModel):
     ))
     uri: str | None = Field(None, pattern=CHECKPOINT_URI_PATTERN, max_length=2048,
                             description="Where checkpoints go: s3://, gs://, pvc://claim/path or an absolute path.")
-    interval_steps: int = Field(50, ge=1, description="Save every this many steps.")
+    interval_steps: int = Field(50, ge=1, le=MAX_STEPS, description="Save every this many steps.")
     keep: int = Field(3, ge=1, le=1000, description="Newest complete checkpoints to keep.")
     resume: str = Field("auto", min_length=1, max_length=2048,
                         description="auto: newest complete checkpoint under uri if any; never: start "
@@ -458,7 +491,7 @@ class CheckpointSpec(APIModel):
     credentials: SecretRef | None = Field(None, description="Secret for reading and writing checkpoints; "
                                           "given to the trainer containers only (each rank uploads its "
                                           "own shards and restores straight from the URI).")
-    export_interval_steps: int | None = Field(None, ge=1, description="Also export a Hugging Face "
+    export_interval_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Also export a Hugging Face "
                                               "model every this many steps (under uri, hf-step-<n>/); "
                                               "needs exportHuggingFace.")
 
@@ -467,8 +500,10 @@ class ValidationSpec(APIModel):
     """Held-out evaluation: the reward of greedy (or sampled) responses on a separate file, with its
     own sampling parameters. The file uses spec.data's field names, template and system prompt."""
 
+    model_config = ConfigDict(json_schema_extra=_rules(dot_segment_rule("uri"), revision_in_uri_rule("uri")))
+
     uri: str = uri_field("Validation prompts: a .jsonl or .parquet file (or a prefix of them).")
-    interval_steps: int = Field(10, ge=1, description="Validate every this many steps (and after the last).")
+    interval_steps: int = Field(10, ge=1, le=MAX_STEPS, description="Validate every this many steps (and after the last).")
     before_training: bool = Field(True, description="Validate once before the first step (step 0).")
     n: int = Field(1, ge=1, le=1024, description="Samples per prompt; when > 1, pass@n is reported too.")
     temperature: float = Field(0.0, ge=0, le=10, description="Sampling temperature; 0 is greedy.")
@@ -477,7 +512,7 @@ class ValidationSpec(APIModel):
     stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings.")
     max_response_length: int | None = Field(None, ge=1, le=1_048_576,
                                             description="Longest response; default rollout.maxResponseLength.")
-    max_prompts: int | None = Field(None, ge=1, description="Use only the first this many prompts.")
+    max_prompts: int | None = Field(None, ge=1, le=MAX_INT32, description="Use only the first this many prompts.")
     pass_threshold: float = Field(1.0, description="A sample passes (for pass@n) when its reward is at least this.")
 
 
@@ -525,12 +560,12 @@ class Toleration(APIModel):
     operator: Literal["Exists", "Equal"] | None = None
     value: str | None = Field(None, max_length=MAX_LABEL_VALUE)
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
+    toleration_seconds: int | None = Field(None, ge=0, le=MAX_INT32)
 
 
 class SchedulingSpec(APIModel):
     model_config = ConfigDict(json_schema_extra=_rules(
-        rule(f"self.nodeSelector.all(k, size(k) <= {MAX_LABEL_KEY})",
+        rule(f"!has(self.nodeSelector) || self.nodeSelector.all(k, size(k) <= {MAX_LABEL_KEY})",
              f"scheduling.nodeSelector keys are label keys: at most {MAX_LABEL_KEY} characters", ".nodeSelector"),
     ))
     node_selector: dict[str, Annotated[str, StringConstraints(max_length=MAX_LABEL_VALUE)]] = Field(
@@ -611,7 +646,7 @@ class RLTrainingJobSpec(APIModel):
     suspend: bool = Field(False, description="true: checkpoint and tear the cluster down; false resumes.")
     backoff_limit: int = Field(3, ge=0, le=100, description="Restarts from the last checkpoint before the job is Failed.")
     ttl_seconds_after_finished: int | None = Field(
-        None, ge=0, description="Delete the job this long after it Succeeded or Failed.")
+        None, ge=0, le=MAX_INT32, description="Delete the job this long after it Succeeded or Failed.")
 
 
 Phase = Literal["Pending", "Staging", "Starting", "Running", "Suspended", "Succeeded", "Failed"]

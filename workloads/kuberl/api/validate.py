@@ -67,7 +67,25 @@ def _plain(err: dict[str, Any]) -> str:
         return "unknown field (check its spelling and indentation)"
     if err["type"] == "missing":
         return "required field is missing"
+    if err["type"] == "value_error":  # a validator's own message, without pydantic's prefix
+        return str(err["ctx"]["error"])
     return err["msg"]
+
+
+_INT64 = range(-2**63, 2**63)
+
+
+def _as_decoded(value: Any) -> Any:
+    """``value`` as the API server's JSON decoder hands it to CEL: an integer beyond 64 bits is a
+    double there (in a number field, which the schema allows; in an integer field the schema has
+    already refused it). cel-python would overflow on it instead."""
+    if isinstance(value, dict):
+        return {k: _as_decoded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_decoded(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and value not in _INT64:
+        return float(value)
+    return value
 
 
 @lru_cache(maxsize=256)
@@ -79,10 +97,15 @@ def _program(expr: str) -> celpy.Runner:
 def _cel_errors(value: Any, schema: dict[str, Any], path: str) -> list[str]:
     errors = []
     for rule in schema.get("x-kubernetes-validations", []):
-        result = _program(rule["rule"]).evaluate({"self": celpy.json_to_cel(value)})
-        if isinstance(result, Exception) or not bool(result):
-            where = path + rule.get("fieldPath", "")
-            errors.append(f"{where}: {rule['message']}")
+        try:
+            result = _program(rule["rule"]).evaluate({"self": celpy.json_to_cel(_as_decoded(value))})
+        except celpy.CELEvalError as exc:
+            result = exc
+        if isinstance(result, Exception):
+            # The API server refuses the object too, with the evaluation error: so does this.
+            errors.append(f"{path}: {rule['message']} (the rule could not be evaluated: {result.args[0]})")
+        elif not bool(result):
+            errors.append(f"{path + rule.get('fieldPath', '')}: {rule['message']}")
     if isinstance(value, dict):
         for name, sub in schema.get("properties", {}).items():
             if name in value:
@@ -121,7 +144,8 @@ def uri_errors(job: RLTrainingJob) -> list[str]:
     wedging its reconcile."""
     spec = job.spec
     named = {"spec.model.uri": spec.model.uri, "spec.data.uri": spec.data.uri,
-             "spec.checkpoint.uri": spec.checkpoint.uri}
+             "spec.checkpoint.uri": spec.checkpoint.uri,
+             "spec.validation.uri": spec.validation.uri if spec.validation else None}
     if spec.checkpoint.resume not in ("auto", "never"):
         named["spec.checkpoint.resume"] = spec.checkpoint.resume
     errors = []

@@ -69,6 +69,7 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     import ray
     from transformers import AutoTokenizer
 
+    from kuberl import usercode
     from kuberl.metrics import start_pod_exporter
     from kuberl.rollout.pool import EnginePool
     from kuberl.storage import resolve
@@ -80,6 +81,11 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     from kuberl.train.tracking import make_trackers
 
     spec = job.spec
+    reporter = reporter_from_env()
+    with user_errors_reported(reporter, plan.attempt):
+        # The job's own code first: a reward function or environment class that cannot be loaded
+        # fails the job here, naming the field, before Ray, engines or trainers take any GPU time.
+        usercode.check(spec)
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):  # inside a RayJob: the cluster kuberl render described
             ray.init(address=os.environ["RAY_ADDRESS"])
@@ -92,7 +98,6 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     # After ray.init: Ray's core installs a SIGTERM handler that aborts the process; ours replaces it.
     preemption = Preemption()
     preemption.install()
-    reporter = reporter_from_env()
     start_pod_exporter("head")
     with user_errors_reported(reporter, plan.attempt), contextlib.ExitStack() as stack:
         # In a pod these are staged or mounted paths (resolve passes them through); locally URIs.

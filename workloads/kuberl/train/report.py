@@ -124,6 +124,7 @@ def user_errors_reported(reporter: StatusReporter, attempt: int) -> Iterator[Non
     """Errors in the job's own input found only while training (a reward function that raises or
     returns no number, data that does not parse) go to status.workloadError before they end the
     run: the operator then fails the job naming them, where a restart would only repeat them."""
+    from kuberl.agents.environment import AgentError
     from kuberl.train.data import DataError
     from kuberl.train.rewards import RewardError
 
@@ -131,6 +132,9 @@ def user_errors_reported(reporter: StatusReporter, attempt: int) -> Iterator[Non
         yield
     except RewardError as exc:
         reporter.failed(attempt, "RewardFunctionFailed", str(exc))
+        raise
+    except AgentError as exc:
+        reporter.failed(attempt, "AgentEnvironmentFailed", str(exc))
         raise
     except DataError as exc:
         reporter.failed(attempt, "DataInvalid", str(exc))

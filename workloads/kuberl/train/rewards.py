@@ -14,13 +14,13 @@ shaping), so a function can score per sample, batch calls to a verifier, or shap
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from kuberl.api.types import RewardSpec
+from kuberl.usercode import resolve
 
 
 @dataclass(frozen=True)
@@ -109,14 +109,10 @@ class RewardError(ValueError):
 def load_reward(spec: RewardSpec) -> RewardFn:
     if spec.builtin:
         return BUILTINS[spec.builtin]
-    module_name, _, attr = (spec.function or "").partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RewardError(f"spec.reward.function: cannot import {module_name!r}: {exc}") from exc
-    fn = getattr(module, attr, None)
+    fn = resolve(spec.function or "", "spec.reward.function", "function", RewardError)
     if not callable(fn):
-        raise RewardError(f"spec.reward.function: {module_name!r} has no function {attr!r}")
+        raise RewardError(f"spec.reward.function: {spec.function} is a {type(fn).__name__}, not a function; "
+                          f"name the reward function after ':'")
     return fn
 
 
