@@ -4,7 +4,10 @@ on, commit, keep-N pruning, restore straight from the URI (dcp and tar), what a 
 re-written step withdrawn before anything of it is uploaded, and a SIGKILL during upload leaving
 `latest` on the previous complete checkpoint."""
 
+import json
 import os
+import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +19,7 @@ import pytest
 
 from kuberl.plan import Checkpoints, Resume
 from kuberl.storage import (StorageError, checkpoint_to_restore, commit_checkpoint, latest_checkpoint,
-                            withdraw_from)
+                            verify_checkpoint, withdraw_from)
 from kuberl.train import checkpoint as ckpt
 from kuberl.train.checkpoint import RankCheckpointer, find_checkpoint
 from tests.driver.one_rank import OneRank
@@ -156,3 +159,106 @@ def test_kill_during_upload_leaves_latest_on_the_previous_checkpoint(s3, s3_env,
     assert not fs.exists(f"{bucket}/killed/step-000000002/COMPLETE")
     assert fs.cat_file(f"{bucket}/killed/latest") == b"step-000000001"
     assert find_checkpoint(Resume(newest_under=root)) == f"{root}/step-000000001"
+
+
+# --- restore unpickles nothing it cannot vouch for (kuberl.train.dcp_read) ------------------------
+
+
+class Planted:
+    """What an attacker plants: unpickling it creates ``marker`` (pickling it runs nothing)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+def _save_and_commit(saver, step):
+    saver.save(step)
+    return saver.commit(step, saver.uploaded(step), {"weight_version": step})
+
+
+def _replace_and_recommit(fs, uri, rel, data):
+    """Replace ``rel`` of a committed step and rewrite its COMPLETE to match, as whoever may write
+    the bucket can: restore's listing check passes, so only what it unpickles can stop it."""
+    key = uri.removeprefix("s3://")
+    fs.pipe_file(f"{key}/{rel}", data)
+    manifest = json.loads(fs.cat_file(f"{key}/COMPLETE"))
+    for entry in manifest["files"]:
+        if entry["path"] == rel:
+            entry.update(size=len(data), etag=None, checksum="size")
+    fs.pipe_file(f"{key}/COMPLETE", json.dumps(manifest).encode())
+    fs.invalidate_cache()
+    verify_checkpoint(uri)
+
+
+def _relocated_metadata(genuine: bytes) -> bytes:
+    """The genuine metadata with every shard read from outside the step's directory."""
+    metadata = pickle.loads(genuine)
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../step-000000002/trainer/__0_0.distcp"
+    return pickle.dumps(metadata)
+
+
+@pytest.mark.parametrize("plant, words", [
+    (lambda genuine, marker: pickle.dumps(Planted(marker)), "refusing to unpickle it: it names builtins.exec"),
+    (lambda genuine, marker: _relocated_metadata(genuine), "names the file '../../step-000000002"),
+])
+def test_restore_refuses_a_planted_metadata_before_unpickling_it(s3, tmp_path, rank, plant, words):
+    """dcp itself would pickle.load ``trainer/.metadata`` in every rank: restore refuses it,
+    naming the file, and nothing of it runs; the genuine file put back restores exactly."""
+    fs, bucket = s3
+    root, marker = f"s3://{bucket}/planted-metadata", tmp_path / "planted-ran"
+    saver = RankCheckpointer(rank, _spec(root), tmp_path / "scratch")
+    try:
+        uri = _save_and_commit(saver, 4)
+        saved = rank.values()
+        rank.step()
+        genuine = fs.cat_file(f"{uri.removeprefix('s3://')}/trainer/.metadata")
+        _replace_and_recommit(fs, uri, "trainer/.metadata", plant(genuine, marker))
+        with pytest.raises(StorageError) as refused:
+            saver.load(uri)
+        assert f"{uri}/trainer/.metadata: " in str(refused.value) and words in str(refused.value)
+        assert "delete this checkpoint" in str(refused.value)
+        assert not marker.exists()
+        assert rank.values() != saved  # nothing was loaded
+
+        _replace_and_recommit(fs, uri, "trainer/.metadata", genuine)
+        assert saver.load(uri) == {"weight_version": 4, "step": 4}
+        assert rank.values() == saved
+    finally:
+        saver.close()
+
+
+@pytest.mark.parametrize("where", ["shard value", "rank state"])
+def test_restore_refuses_planted_values_in_shards_and_rank_state(s3, tmp_path, rank, where, monkeypatch):
+    """A shard's non-tensor values (dcp's default planner: torch.load(weights_only=False)) and each
+    rank's ``.pt`` are unpickled weights-only: a planted object is refused, naming the file."""
+    fs, bucket = s3
+    root, marker = f"s3://{bucket}/planted-{where.replace(' ', '-')}", tmp_path / "planted-ran"
+    real_state = rank.checkpoint_state
+
+    def planted_state():
+        state, extra = real_state()
+        if where == "shard value":
+            state["optim"]["param_groups"][0]["lr"] = Planted(marker)
+        else:
+            extra["scheduler"] = Planted(marker)
+        return state, extra
+
+    saver = RankCheckpointer(rank, _spec(root), tmp_path / "scratch")
+    try:
+        monkeypatch.setattr(rank, "checkpoint_state", planted_state)
+        uri = _save_and_commit(saver, 6)  # the attacker's checkpoint, otherwise as kuberl writes it
+        monkeypatch.setattr(rank, "checkpoint_state", real_state)
+        with pytest.raises(StorageError) as refused:
+            saver.load(uri)
+        named = (f"{uri}/trainer/__0_0.distcp (optim.param_groups.0.lr)" if where == "shard value"
+                 else f"{uri}/trainer/trainer_rank0_of1.pt")
+        assert f"{named}: refusing to unpickle" in str(refused.value), str(refused.value)
+        assert re.search(r"it names (builtins\.)?exec, which", str(refused.value))
+        assert "weights_only=False" not in str(refused.value)  # torch's own advice, never to follow here
+        assert not marker.exists()
+    finally:
+        saver.close()

@@ -93,6 +93,35 @@ def test_workload_identity_patches_its_own_status_only(crd, tmp_path):
     assert denied == "no"
 
 
+def test_workload_error_has_the_pods_secret_values_redacted(crd, tmp_path, monkeypatch):
+    """User error text (a reward function's exception) carries what the driver's environment holds
+    from the job's Secrets: the tracker key, an MLflow URI with a password. The status stored on
+    the real API server, which everyone who may read the job reads, has none of it; nor has the
+    exception the driver goes on to raise (its last line reaches status through KubeRay)."""
+    from kuberl.train.report import REDACTED, user_errors_reported
+    from kuberl.train.rewards import RewardError
+
+    cluster, ns = crd, "redact-test"
+    cluster.kubectl("create", "namespace", ns)
+    mine = _create_job(cluster, "mine", ns)
+    _apply(cluster, [o for o in render_manifest(mine) if o["kind"] in ("ServiceAccount", "Role", "RoleBinding")])
+    token = tmp_path / "token"
+    token.write_text(cluster.kubectl("create", "token", "mine-workload", "-n", ns).stdout.strip())
+    key, password = "0123456789abcdef0123456789abcdef01234567", "hunter22-mlflow"
+    monkeypatch.setenv("WANDB_API_KEY", key)  # as envFrom the tracking Secret sets it in the head
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+
+    reporter = KubernetesStatusReporter(cluster.server, ns, "mine", token, cluster.ca.pair.cert)
+    with pytest.raises(RewardError) as raised, user_errors_reported(reporter, attempt=0):
+        raise RewardError(f"spec.reward.function failed: HTTPError('401 for https://judge.example/?key={key}', "
+                          f"'https://bob:{password}@mlflow.example/api')")
+    message = json.loads(cluster.kubectl("get", "rltj", "mine", "-n", ns, "-o", "json").stdout)["status"][
+        "workloadError"]["message"]
+    assert message == (f"spec.reward.function failed: HTTPError('401 for https://judge.example/?key={REDACTED}', "
+                       f"'https://{REDACTED}@mlflow.example/api')")
+    assert str(raised.value) == message
+
+
 def test_outside_kubernetes_the_reporter_only_logs(tmp_path):
     assert type(reporter_from_env({}, tmp_path)) is StatusReporter
     assert type(reporter_from_env({"KUBERL_JOB_NAME": "x", "KUBERNETES_SERVICE_HOST": "10.0.0.1"}, tmp_path)) \

@@ -21,12 +21,13 @@ in a thread of its own for every rank's upload to be durable, then has rank 0 co
 
 Restoring (``RankCheckpointer.load``, collective) reads straight from the checkpoint URI on
 every rank (byte ranges through fsspec for s3/gs; the mounted path for pvc and local roots).
+Nothing read back is unpickled except through an allow-list (``kuberl.train.dcp_read``): the
+checkpoint's bytes are the bucket's, and a planted pickle would run in every rank.
 """
 
 from __future__ import annotations
 
 import copy
-import io
 import json
 import logging
 import shutil
@@ -182,7 +183,7 @@ class RankCheckpointer:
 
     def load(self, uri: str) -> dict:
         """Restore checkpoint ``uri`` into this rank (collective); returns the driver's state."""
-        import torch
+        from kuberl.train.dcp_read import METADATA, load_metadata, load_weights_only
 
         self.fence()
         parsed = parse(uri, "checkpoint")
@@ -204,11 +205,23 @@ class RankCheckpointer:
             else:
                 reader_path, reader_fs = f"{base}/{TRAINER_DIR}", (fs if parsed.is_cloud else None)
             extra_path = f"{reader_path}/{extra_name(self.rank, self.world_size)}"
-            extra_fs = reader_fs or filesystems.filesystem(parse("/", "local path"))
-            self._require(extra_fs, extra_path, uri)
-            extra = torch.load(io.BytesIO(with_retries(lambda: extra_fs.cat_file(extra_path), uri=uri)),
-                               weights_only=True)
-            self.worker.restore_state(lambda state: self._dcp_load(state, reader_path, reader_fs), extra)
+            files = reader_fs or filesystems.filesystem(parse("/", "local path"))
+            self._require(files, extra_path, uri)
+            # Nothing of the checkpoint is unpickled but through an allow-list (kuberl.train.dcp_read):
+            # the metadata is vetted here, before dcp.load, which would pickle.load it.
+            where = f"{uri}/{TRAINER_DIR}" if local is None else f"{uri}/trainer-rank*.tar: {TRAINER_DIR}"
+            try:
+                extra = load_weights_only(with_retries(lambda: files.cat_file(extra_path), uri=uri),
+                                          f"{where}/{extra_name(self.rank, self.world_size)}")
+                metadata = load_metadata(
+                    with_retries(lambda: files.cat_file(f"{reader_path}/{METADATA}"), uri=uri),
+                    f"{where}/{METADATA}")
+                refused = None
+            except StorageError as err:
+                refused = str(err)
+            self._all_or_none(refused)
+            self.worker.restore_state(lambda state: self._dcp_load(state, reader_path, reader_fs, metadata, where),
+                                      extra)
         finally:
             if local is not None:
                 shutil.rmtree(local, ignore_errors=True)
@@ -232,20 +245,20 @@ class RankCheckpointer:
         if any(problems):
             raise StorageError("; ".join(dict.fromkeys(p for p in problems if p)))
 
-    def _dcp_load(self, state: dict, path: str, fs) -> None:
+    def _dcp_load(self, state: dict, path: str, fs, metadata, where: str) -> None:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
-        if fs is None:
-            reader = dcp.FileSystemReader(path)
-        else:
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        from kuberl.train.dcp_read import WeightsOnlyLoadPlanner, vetted_reader
 
-            # fsspec's own instance for the URL would not know kuberl's endpoint and credential
-            # rules (kuberl.storage.filesystems): read through the same filesystem as the rest.
-            reader = FsspecReader(path)
-            reader.fs.fs = fs
-            reader.path = path
-        dcp.load(state, storage_reader=reader, process_group=self.group)
+        try:
+            dcp.load(state, storage_reader=vetted_reader(path, fs, metadata), planner=WeightsOnlyLoadPlanner(where),
+                     process_group=self.group)
+        except CheckpointException as exc:  # every rank gets every rank's failures
+            refusals = [e for e, _ in exc.failures.values() if isinstance(e, StorageError)]
+            if refusals:
+                raise StorageError("; ".join(dict.fromkeys(str(e) for e in refusals))) from None
+            raise
 
 
 class CheckpointManager:

@@ -10,17 +10,42 @@ import contextlib
 import json
 import logging
 import os
+import re
 import ssl
 import urllib.error
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from kuberl.api.types import GROUP, PLURAL, VERSION
 
 log = logging.getLogger("kuberl.train")
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+# Environment variables a credentials Secret of the spec fills (envFrom): the keys the API docs name
+# (WANDB_API_KEY, MLFLOW_TRACKING_TOKEN / _PASSWORD, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+# AWS_SESSION_TOKEN, HF_TOKEN) and any other name with such a word. A process cannot tell which of
+# its variables came from a Secret, so the name decides; whole words only (TOKENIZERS_PARALLELISM=false
+# is no credential, and redacting it would blank out every "false").
+_SECRET_NAME = re.compile(r"(^|_)(KEY|APIKEY|TOKEN|SECRET|PASS|PASSWORD|PASSWD|PASSPHRASE|CREDENTIALS?|AUTH|PRIVATE)"
+                          r"(_|$)", re.IGNORECASE)
+# Shorter values ("1", "yes") would blank out ordinary words; no credential is that short.
+_MIN_SECRET_CHARS = 4
+# user:password@ in a URL (MLFLOW_TRACKING_URI=https://user:pass@host, an S3 endpoint...).
+_URL_USERINFO = re.compile(r"(\b[a-z][a-z0-9+.-]*://)[^/\s@]+@", re.IGNORECASE)
+REDACTED = "[redacted]"
+
+
+def redact_secrets(text: str, env: Mapping[str, str] | None = None) -> str:
+    """``text`` with the value of every credential variable of ``env`` (default: this process's
+    environment, where the pod's Secrets are) and the user info of every URL replaced."""
+    env = os.environ if env is None else env
+    values = {value for name, value in env.items() if _SECRET_NAME.search(name) and len(value) >= _MIN_SECRET_CHARS}
+    for value in sorted(values, key=len, reverse=True):  # a value inside a longer one goes after it
+        text = text.replace(value, REDACTED)
+    return _URL_USERINFO.sub(rf"\1{REDACTED}@", text)
 
 
 def _now() -> str:
@@ -55,7 +80,9 @@ class StatusReporter:
 
     def failed(self, attempt: int, reason: str, message: str) -> None:
         """The job's own input is at fault (status.workloadError): the operator fails the job
-        instead of restarting it."""
+        instead of restarting it. Everyone who may read the job reads this, so the pod's Secret
+        values are redacted (before truncating: a cut value would no longer match)."""
+        message = redact_secrets(message)
         log.error("%s: %s", reason, message)
         self._patch({"workloadError": {"attempt": attempt, "reason": reason, "message": message[:4096],
                                        "time": _now()}})
@@ -130,12 +157,11 @@ def user_errors_reported(reporter: StatusReporter, attempt: int) -> Iterator[Non
 
     try:
         yield
-    except RewardError as exc:
-        reporter.failed(attempt, "RewardFunctionFailed", str(exc))
-        raise
-    except AgentError as exc:
-        reporter.failed(attempt, "AgentEnvironmentFailed", str(exc))
-        raise
-    except DataError as exc:
-        reporter.failed(attempt, "DataInvalid", str(exc))
+    except (RewardError, AgentError, DataError) as exc:
+        # The driver's last error line also reaches status (KubeRay copies the log's tail into
+        # the RayJob, the operator quotes it): the exception goes on redacted as well.
+        exc.args = (redact_secrets(str(exc)),)
+        reason = ("RewardFunctionFailed" if isinstance(exc, RewardError)
+                  else "AgentEnvironmentFailed" if isinstance(exc, AgentError) else "DataInvalid")
+        reporter.failed(attempt, reason, str(exc))
         raise
