@@ -57,7 +57,9 @@ class _OpenAISampling(_Body):
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=64)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    # vLLM takes a seed of 64 bits (a larger one fails in the engine, not as the request's error),
+    # and a negative one as none at all (-1) or as another seed: refused rather than reinterpreted.
+    seed: int | None = Field(None, ge=0, lt=2**64)
     stream: bool = False
     user: str | None = None
 
