@@ -165,8 +165,9 @@ def api_error(resp, path: str) -> dict:
     ("/v1/chat/completions", {"messages": CHAT, "seed": -2**63 - 1}, "seed"),
     ("/v1/messages", {"messages": CHAT, "top_k": 10**30}, "top_k"),
     ("/v1/messages", {"messages": CHAT, "top_k": VOCAB + 1}, "top_k"),
+    ("/v1/messages", {"messages": CHAT, "stop_sequences": [""]}, "stop_sequences"),
 ])
-def test_token_ids_seeds_and_top_k_out_of_range_are_400_naming_the_field(base_url, path, body, field):
+def test_token_ids_seeds_top_k_and_stops_out_of_range_are_400_naming_the_field(base_url, path, body, field):
     resp = httpx.post(f"{base_url}{path}", json={"model": MODEL, "max_tokens": 2, **body})
     assert resp.status_code == 400, resp.text
     error = api_error(resp, path)

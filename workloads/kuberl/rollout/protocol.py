@@ -200,7 +200,7 @@ class MessagesRequest(_Body):
     max_tokens: int = Field(ge=1)
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
-    stop_sequences: list[str] = Field(default_factory=list, max_length=16)
+    stop_sequences: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=16)
     temperature: float = Field(1.0, ge=0, le=1)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)  # the API's top_k; -1 (absent) disables it

@@ -77,7 +77,8 @@ SESSION_HEADER = "x-session-id"
 BODY_BYTES_PER_TOKEN = 128
 BODY_OVERHEAD_BYTES = 1 << 20
 # Chats rendered and tokenized at once: each holds its chat's text and ids in memory, and beyond
-# a few the threads only take turns on the driver's cores.
+# a few the threads only take turns on the driver's cores. A fast tokenizer encodes in several
+# threads at once; only changing its truncation or padding would conflict, which nothing here does.
 TOKENIZER_THREADS = 4
 
 
