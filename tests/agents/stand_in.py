@@ -13,6 +13,7 @@ import re
 
 from kuberl.api import RLTrainingJobSpec
 from kuberl.samples import Sample
+from kuberl.tiny import VOCAB_SIZE
 
 MODEL = "kuberl-tiny"
 UNUSED_TOKEN = 120  # beyond the tiny vocabulary's characters: decodes to no text at all
@@ -71,5 +72,6 @@ def make_spec(max_response_length: int = 64) -> RLTrainingJobSpec:
 class Pool:
     def __init__(self, spec, engine):
         self.spec, self.engines, self.served_model_name = spec, [engine], MODEL
+        self.vocab_size = VOCAB_SIZE
 
 

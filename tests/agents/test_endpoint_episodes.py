@@ -10,9 +10,10 @@ import httpx
 import pytest
 
 from kuberl.api.types import AgentHarnessSpec
+from kuberl.rollout.server import BackgroundServer, make_app
 from kuberl.rollout.transitions import EpisodeSampling, episode_to_sample
 from kuberl.train.data import Prompt
-from tests.agents.stand_in import MODEL, UNUSED_TOKEN, make_spec
+from tests.agents.stand_in import MODEL, UNUSED_TOKEN, Pool, ScriptedEngine, make_spec
 
 
 def test_a_two_turn_anthropic_exchange_is_recorded_token_exactly(serve, tokenizer):
@@ -152,3 +153,25 @@ def test_an_episode_that_fills_the_context_ends_there(serve):
     for sample in group:
         assert sample.metadata == {**sample.metadata, "replies": 1, "truncated": True, "turns": 1}
         assert sample.reward == 0.0 and sample.loss_mask == [1, 1, 1]
+
+
+def test_a_chat_the_template_refuses_is_a_400_naming_messages(tmp_path):
+    """Real templates check the chat themselves (``raise_exception``, e.g. on the order of roles);
+    that is the request's fault, not the endpoint's."""
+    from kuberl.tiny import make_tokenizer
+
+    tokenizer = make_tokenizer(tmp_path)
+    tokenizer.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations must "
+                               "start with a user message') }}{% endif %}" + tokenizer.chat_template)
+    engine = ScriptedEngine(tokenizer)
+    server = BackgroundServer(make_app(Pool(make_spec(), engine), tokenizer), "127.0.0.1", 0)
+    server.start()
+    try:
+        resp = httpx.post(f"{server.url}/v1/messages", json={
+            "model": MODEL, "max_tokens": 4, "messages": [{"role": "assistant", "content": "hi"}]})
+    finally:
+        server.stop()
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"] == {"type": "invalid_request_error", "message": (
+        "messages: the model's chat template refused this chat: Conversations must start with a user message")}
+    assert engine.requests == []

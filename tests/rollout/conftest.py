@@ -50,7 +50,13 @@ def pool(ray_session, spec, tiny_model):
 
 
 @pytest.fixture(scope="session")
-def base_url(pool, tiny_model) -> str:
+def tokenizer(tiny_model):
+    """The tiny model's tokenizer, as the driver loads it to serve the endpoint."""
     from transformers import AutoTokenizer
 
-    return pool.serve(AutoTokenizer.from_pretrained(tiny_model), "127.0.0.1", 0)
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="session")
+def base_url(pool, tokenizer) -> str:
+    return pool.serve(tokenizer, "127.0.0.1", 0)

@@ -35,6 +35,19 @@ def batch_usage_context():
     return UsageContext.LLM_CLASS
 
 
+class RequestRefused(ValueError):
+    """A request's input refused by the engine's own checks (or vLLM's): the client's fault, which
+    the HTTP endpoint answers with a 400 naming ``field``. Any other error of the engine is its own
+    failure (a 500)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(field, message)
+        self.field, self.message = field, message
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
 def engine_args(spec, local_model_path: str, served_model_name: str, *, engine_index: int):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -176,11 +189,11 @@ class RolloutEngine:
 
     def _check_prompt(self, prompt_ids: list[int], max_tokens: int, where: str) -> None:
         if not prompt_ids:
-            raise ValueError(f"{where}: empty prompt")
+            raise RequestRefused(where, "empty prompt")
         if len(prompt_ids) + max_tokens > self.max_model_len:
-            raise ValueError(f"{where}: {len(prompt_ids)} prompt tokens + max_tokens {max_tokens} exceed "
-                             f"the engine's context of {self.max_model_len} "
-                             f"(rollout.maxPromptLength + rollout.maxResponseLength)")
+            raise RequestRefused(where, f"{len(prompt_ids)} prompt tokens + max_tokens {max_tokens} exceed "
+                                        f"the engine's context of {self.max_model_len} "
+                                        f"(rollout.maxPromptLength + rollout.maxResponseLength)")
 
     async def generate(self, prompts: list[list[int]], n: int, *, temperature: float, max_tokens: int,
                        seed: int | None = None, group_offset: int = 0, top_p: float = 1.0, top_k: int = -1,
@@ -200,13 +213,24 @@ class RolloutEngine:
     async def complete(self, prompt_ids: list[int], *, n: int = 1, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = -1, max_tokens: int = 16, stop: list[str] | None = None,
                        seed: int | None = None, logprobs: bool = False) -> list[Sample]:
-        """One request of the HTTP endpoint (already tokenized and validated)."""
+        """One request of the HTTP endpoint (already tokenized and validated there). What vLLM's
+        own checks refuse all the same is raised as ``RequestRefused``: vLLM raises its
+        ``VLLMValidationError`` (no ``ValueError``), and ``SamplingParams`` also ``ValueError`` or
+        ``TypeError``. Its other errors (``EngineGenerateError``, ``EngineDeadError``) are the
+        engine's and pass through."""
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
 
         self._check_prompt(prompt_ids, max_tokens, "prompt")
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                                stop=stop or None, seed=seed, logprobs=0 if logprobs else None)
-        return await self._one(prompt_ids, params, 0, token_text=logprobs)
+        try:
+            params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                                    stop=stop or None, seed=seed, logprobs=0 if logprobs else None)
+        except (ValueError, TypeError, VLLMClientError) as err:
+            raise RequestRefused("sampling parameters", str(err)) from None
+        try:
+            return await self._one(prompt_ids, params, 0, token_text=logprobs)
+        except VLLMClientError as err:  # the engine's input checks, e.g. a token id out of vocabulary
+            raise RequestRefused("prompt", str(err)) from None
 
     async def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-prob of each token given the ones before it (token 1 onwards), current weights."""
@@ -223,6 +247,11 @@ class RolloutEngine:
             return [entry[tok].logprob for tok, entry in zip(seq[1:], final.prompt_logprobs[1:])]
 
         return list(await asyncio.gather(*(one(seq) for seq in sequences)))
+
+    def vocab_size(self) -> int:
+        """The model's vocabulary: token ids from 0 below it (the HTTP endpoint checks prompts given
+        as ids against it, as vLLM does)."""
+        return self.engine.vllm_config.model_config.get_vocab_size()
 
     # --- weights ----------------------------------------------------------------------------
     def weight_version(self) -> int:

@@ -64,7 +64,8 @@ class EnginePool:
             self.engines.append(actor_cls.options(**options, **where).remote(
                 spec, plan.paths, served_model_name, engine_index=i, devices=devices))
         # Surface start-up failures (bad model path, vLLM errors) here, not at the first request.
-        ray.get([engine.weight_version.remote() for engine in self.engines])
+        # The vocabulary (one model, so every engine's is the same) bounds the endpoint's token ids.
+        self.vocab_size = ray.get([engine.vocab_size.remote() for engine in self.engines])[0]
         self._server = None
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, max_tokens: int,

@@ -57,7 +57,9 @@ class _OpenAISampling(_Body):
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=64)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    # vLLM takes a seed of 64 bits (a larger one fails in the engine, not as the request's error),
+    # and a negative one as none at all (-1) or as another seed: refused rather than reinterpreted.
+    seed: int | None = Field(None, ge=0, lt=2**64)
     stream: bool = False
     user: str | None = None
 
@@ -198,7 +200,7 @@ class MessagesRequest(_Body):
     max_tokens: int = Field(ge=1)
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
-    stop_sequences: list[str] = Field(default_factory=list, max_length=16)
+    stop_sequences: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=16)
     temperature: float = Field(1.0, ge=0, le=1)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)  # the API's top_k; -1 (absent) disables it

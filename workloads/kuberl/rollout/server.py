@@ -5,7 +5,12 @@
 - sticky routing: requests of one session (header ``x-session-id``, else the OpenAI ``user`` or
   Anthropic ``metadata.user_id`` field) go to the same engine, so its prefix cache holds the
   conversation so far;
-- validation errors are 400s in the API's own error shape, naming the field.
+- every error in the API's own error shape (OpenAI's ``{"error": {...}}``, Anthropic's
+  ``{"type": "error", ...}``): a request's fault is a 4xx naming the field, checked here before
+  any of it reaches an engine where it can be (token ids against the vocabulary, seeds, ``top_k``,
+  lengths against the context); a body larger than the context could hold is a 413, refused
+  before it is read; what an engine still refuses is a 400, and a failure that is not the
+  request's (an engine's, or this endpoint's) a 500 whose traceback goes to the driver's log.
 
 Responses also carry the token ids (``prompt_token_ids``, per-choice ``token_ids``) and the
 ``weight_version`` that produced them, which the trainer needs and the text alone cannot give.
@@ -23,6 +28,9 @@ to one engine, whose prefix cache holds the conversation.
 
 Chats are rendered into prompt ids here, with the driver's copy of the model's tokenizer (the
 same files the engines load): an engine only generates, and a request is one Ray call to it.
+Rendering and tokenizing run in worker threads (at most ``TOKENIZER_THREADS`` at once), not on
+the event loop: a chat of megabytes takes seconds to tokenize, and on the loop it would stall
+every other client for as long.
 
 The hot path is kept thin, since every microsecond here is taken from the engines on small
 hosts: plain Starlette routes (no FastAPI dependency resolution per request), request bodies
@@ -33,13 +41,17 @@ parsed and validated in one step by pydantic's Rust JSON parser, responses encod
 from __future__ import annotations
 
 import itertools
+import logging
 import socket
 import threading
 import time
 import uuid
 from collections import OrderedDict
 
+import anyio
+import anyio.to_thread
 import msgspec
+from jinja2 import TemplateError
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -47,11 +59,32 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kuberl.rollout.continuation import continuation_ids
+from kuberl.rollout.engine import RequestRefused
 from kuberl.rollout.protocol import (ChatCompletionRequest, CompletionRequest, MessagesRequest, ToolUseBlock,
                                      assistant_message, reply_blocks)
 from kuberl.rollout.transitions import EpisodeLog, Transition
 
+logger = logging.getLogger(__name__)
+
 SESSION_HEADER = "x-session-id"
+
+# The body cap is derived from the context: whatever a request holds must fit in
+# ``max_model_len`` tokens once rendered, and JSON-escaped text takes far fewer bytes per token
+# than BODY_BYTES_PER_TOKEN in any real chat (about 4 for English; 6-12 for CJK or emoji escaped
+# as \uXXXX, as Python's json.dumps writes them; under 20 for a pretty-printed token id). Tool
+# schemas and message wrappers are rendered into the prompt too, so they count as tokens; the
+# overhead covers the rest (model name, options, ids of tool calls, indentation).
+BODY_BYTES_PER_TOKEN = 128
+BODY_OVERHEAD_BYTES = 1 << 20
+# Chats rendered and tokenized at once: each holds its chat's text and ids in memory, and beyond
+# a few the threads only take turns on the driver's cores. A fast tokenizer encodes in several
+# threads at once; only changing its truncation or padding would conflict, which nothing here does.
+TOKENIZER_THREADS = 4
+
+
+def max_body_bytes(max_model_len: int) -> int:
+    """The largest request body the endpoint reads for a context of ``max_model_len`` tokens."""
+    return BODY_BYTES_PER_TOKEN * max_model_len + BODY_OVERHEAD_BYTES
 
 
 class StickyRouter:
@@ -89,23 +122,80 @@ def _openai_error(err: APIError) -> dict:
 
 
 def _anthropic_error(err: APIError) -> dict:
-    kind = {404: "not_found_error", 500: "api_error"}.get(err.status, err.kind)
+    kind = {404: "not_found_error", 413: "request_too_large", 500: "api_error"}.get(err.status, err.kind)
     return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def _cause(err: Exception) -> Exception:
+    """The exception an engine actor raised, for one that came through Ray."""
+    from ray.exceptions import RayTaskError
+
+    return err.cause if isinstance(err, RayTaskError) else err
+
+
+def _failure(err: Exception) -> APIError:
+    """A 500 for an error that is not the request's (an engine's, or the endpoint's own)."""
+    logger.error("rollout endpoint: request failed", exc_info=err)
+    cause = _cause(err)
+    detail = str(cause).strip().splitlines()
+    return APIError(500, f"the rollout endpoint failed: {type(cause).__name__}"
+                         f"{': ' + detail[0] if detail else ''} (the driver's log has the traceback)",
+                    kind="server_error")
+
+
+def check_token_ids(ids: list[int], vocab_size: int, field: str) -> None:
+    """A prompt given as token ids holds ids of the model's vocabulary only."""
+    for i, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise APIError(400, f"{field}.{i}: token id {token} is not in the model's vocabulary; ids run from 0 "
+                                f"to {vocab_size - 1}", param=field)
+
+
+def check_top_k(top_k: int, vocab_size: int) -> None:
+    if top_k > vocab_size:
+        raise APIError(400, f"top_k: {top_k} is more than the model's {vocab_size} tokens; use at most "
+                            f"{vocab_size}, or -1 (or leave it out) for no top-k", param="top_k")
 
 
 def _field(loc: tuple) -> str:
     return ".".join(str(part) for part in loc if part != "body")
 
 
-async def _parse(model_cls, request: Request):
+def _too_large(max_model_len: int, size: int | None = None) -> APIError:
+    """The 413; ``size``: the declared length, unknown for a chunked body."""
+    what = f"{size} bytes exceed" if size is not None else "it exceeds"
+    return APIError(413, f"body: {what} the endpoint's limit of {max_body_bytes(max_model_len)} bytes "
+                         f"({BODY_BYTES_PER_TOKEN} per token of the {max_model_len}-token context, plus "
+                         f"{BODY_OVERHEAD_BYTES} for the JSON around it); a request this large cannot fit "
+                         f"the context", param="body")
+
+
+async def _read_body(request: Request, max_model_len: int) -> bytes:
+    """The body, refused with a 413 once it is known to exceed ``max_body_bytes``: by its declared
+    length before any of it is read, else (chunked) at the chunk that crosses the limit."""
+    limit = max_body_bytes(max_model_len)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(max_model_len, int(declared))
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(max_model_len)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse(model_cls, request: Request, max_model_len: int):
     """The request body as ``model_cls``: JSON parsing and validation in one pass."""
-    body = await request.body()
+    body = await _read_body(request, max_model_len)
     try:
         return model_cls.model_validate_json(body)
     except ValidationError as err:
         first = err.errors()[0]
         if first["type"] == "json_invalid":
-            raise APIError(400, "body: request body is not valid JSON", param="body") from None
+            detail = first["msg"].removeprefix("Invalid JSON: ")
+            raise APIError(400, f"body: request body is not valid JSON ({detail})", param="body") from None
         if first["type"] == "model_type" and not first["loc"]:
             raise APIError(400, "body: expected a JSON object", param="body") from None
         field = _field(first["loc"]) or "body"
@@ -152,6 +242,17 @@ def make_app(pool, tokenizer, episodes: EpisodeLog | None = None) -> Starlette:
     rollout = pool.spec.rollout
     max_model_len = rollout.max_prompt_length + rollout.max_response_length
     served = pool.served_model_name
+    # The model's vocabulary, or the tokenizer's where that is larger: what vLLM accepts.
+    vocab_size = max(pool.vocab_size, len(tokenizer))
+    tokenizer_threads = anyio.CapacityLimiter(TOKENIZER_THREADS)
+
+    async def tokenized(fn, *args) -> list[int]:
+        """``fn(*args)``, which renders or tokenizes, in a worker thread: off the event loop."""
+        try:
+            return await anyio.to_thread.run_sync(fn, *args, limiter=tokenizer_threads)
+        except TemplateError as err:  # the template's own checks (raise_exception), e.g. on role order
+            raise APIError(400, f"messages: the model's chat template refused this chat: {err}",
+                           param="messages") from None
 
     def check_model(name: str) -> None:
         if name != served:
@@ -169,14 +270,15 @@ def make_app(pool, tokenizer, episodes: EpisodeLog | None = None) -> Starlette:
     def engine_for(request: Request, user: str | None, key: str | None = None):
         return pool.engines[router.route(request.headers.get(SESSION_HEADER) or user or key)]
 
-    def episode_prompt(key: str | None, chat: list[dict], tools: list[dict] | None = None) -> tuple[list[int], bool]:
+    async def episode_prompt(key: str | None, chat: list[dict],
+                             tools: list[dict] | None = None) -> tuple[list[int], bool]:
         """The turn's prompt ids, and whether they continue the episode's previous turn."""
         follows = episodes.continuation(key, chat) if key is not None else None
         if follows is None:
-            return chat_ids(tokenizer, chat, tools), False
+            return await tokenized(chat_ids, tokenizer, chat, tools), False
         context, new_messages = follows
         try:
-            return context + continuation_ids(tokenizer, new_messages, context, tools), True
+            return context + await tokenized(continuation_ids, tokenizer, new_messages, context, tools), True
         except ValueError as err:  # the template cannot be continued token by token
             raise APIError(400, f"messages: {err}", param="messages") from None
 
@@ -217,8 +319,9 @@ def make_app(pool, tokenizer, episodes: EpisodeLog | None = None) -> Starlette:
     async def run(engine, prompt_ids, **params):
         try:
             return await engine.complete.remote(prompt_ids, **params)
-        except ValueError as err:  # the engine's own input checks
-            raise APIError(400, str(err).splitlines()[-1], param="prompt") from None
+        except RequestRefused as err:  # the engine's (and vLLM's) input checks; any other error is a 500
+            refused = _cause(err)
+            raise APIError(400, str(refused), param=refused.field) from None
 
     def openai_response(id_prefix: str, kind: str, choices: list[dict], prompt_ids: list[int], samples) -> dict:
         """The envelope chat and text completions share: ids, usage and the weight version."""
@@ -229,31 +332,28 @@ def make_app(pool, tokenizer, episodes: EpisodeLog | None = None) -> Starlette:
                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
                           "total_tokens": len(prompt_ids) + completion_tokens}}
 
-    def openai_handler(fn):
-        async def handler(request: Request) -> Response:
+    def handler(fn, error_shape):
+        """``fn``'s response, or its error in ``error_shape`` (the API's): never Starlette's
+        plain-text 500."""
+        async def handle(request: Request) -> Response:
             try:
                 return _json(await fn(request))
             except APIError as err:
-                return _json(_openai_error(err), err.status)
-        return handler
-
-    def anthropic_handler(fn):
-        async def handler(request: Request) -> Response:
-            try:
-                return _json(await fn(request))
-            except APIError as err:
-                return _json(_anthropic_error(err), err.status)
-        return handler
+                return _json(error_shape(err), err.status)
+            except Exception as err:
+                failure = _failure(err)
+                return _json(error_shape(failure), failure.status)
+        return handle
 
     async def chat_completions(request: Request):
-        req: ChatCompletionRequest = await _parse(ChatCompletionRequest, request)
+        req: ChatCompletionRequest = await _parse(ChatCompletionRequest, request, max_model_len)
         check_model(req.model)
         key = episode_key(request)
         if key is not None and req.n != 1:
             raise APIError(400, "n: an episode key records one conversation; set n to 1", param="n")
         engine = engine_for(request, req.user, key)
         chat = [{"role": m.role, "content": m.text()} for m in req.messages]
-        prompt_ids, continued = episode_prompt(key, chat)
+        prompt_ids, continued = await episode_prompt(key, chat)
         max_tokens = req.max_completion_tokens or req.max_tokens or min(
             rollout.max_response_length, max(1, max_model_len - len(prompt_ids)))
         params = episode_params(key, dict(temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens,
@@ -274,15 +374,19 @@ def make_app(pool, tokenizer, episodes: EpisodeLog | None = None) -> Starlette:
         return openai_response("chatcmpl", "chat.completion", choices, prompt_ids, samples)
 
     async def completions(request: Request):
-        req: CompletionRequest = await _parse(CompletionRequest, request)
+        req: CompletionRequest = await _parse(CompletionRequest, request, max_model_len)
         check_model(req.model)
         if episode_key(request) is not None:  # else served with the client's sampling and recorded nowhere
             raise APIError(400, "prompt: an episode key records chat turns, which a raw prompt is not; "
                                 "send the episode's turns to /v1/messages or /v1/chat/completions", param="prompt")
         engine = engine_for(request, req.user)
-        prompt_ids = (list(req.prompt) if isinstance(req.prompt, list)
-                      else list(tokenizer.encode(req.prompt, add_special_tokens=True)))
-        check_length(prompt_ids, req.max_tokens, "prompt", "max_tokens")
+        if isinstance(req.prompt, list):
+            prompt_ids = req.prompt
+            check_length(prompt_ids, req.max_tokens, "prompt", "max_tokens")
+            check_token_ids(prompt_ids, vocab_size, "prompt")
+        else:
+            prompt_ids = await tokenized(tokenizer.encode, req.prompt)
+            check_length(prompt_ids, req.max_tokens, "prompt", "max_tokens")
         samples = await run(engine, prompt_ids, n=req.n, temperature=req.temperature, top_p=req.top_p,
                             max_tokens=req.max_tokens, stop=req.stop, seed=req.seed,
                             logprobs=req.logprobs is not None)
@@ -299,12 +403,13 @@ def make_app(pool, tokenizer, episodes: EpisodeLog | None = None) -> Starlette:
         return openai_response("cmpl", "text_completion", choices, prompt_ids, samples)
 
     async def messages(request: Request):
-        req: MessagesRequest = await _parse(MessagesRequest, request)
+        req: MessagesRequest = await _parse(MessagesRequest, request, max_model_len)
         check_model(req.model)
+        check_top_k(req.top_k, vocab_size)
         key = episode_key(request)
         engine = engine_for(request, req.metadata.user_id if req.metadata else None, key)
         chat = req.chat_messages()
-        prompt_ids, continued = episode_prompt(key, chat, req.template_tools())
+        prompt_ids, continued = await episode_prompt(key, chat, req.template_tools())
         params = episode_params(key, dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                           max_tokens=req.max_tokens, stop=req.stop_sequences, logprobs=False))
         params["max_tokens"] = turn_tokens(prompt_ids, params["max_tokens"], continued, "messages", "max_tokens")
@@ -332,10 +437,10 @@ def make_app(pool, tokenizer, episodes: EpisodeLog | None = None) -> Starlette:
                                             "owned_by": "kuberl", "max_model_len": max_model_len}]}
 
     return Starlette(routes=[
-        Route("/v1/chat/completions", openai_handler(chat_completions), methods=["POST"]),
-        Route("/v1/completions", openai_handler(completions), methods=["POST"]),
-        Route("/v1/messages", anthropic_handler(messages), methods=["POST"]),
-        Route("/v1/models", openai_handler(models), methods=["GET"]),
+        Route("/v1/chat/completions", handler(chat_completions, _openai_error), methods=["POST"]),
+        Route("/v1/completions", handler(completions, _openai_error), methods=["POST"]),
+        Route("/v1/messages", handler(messages, _anthropic_error), methods=["POST"]),
+        Route("/v1/models", handler(models, _openai_error), methods=["GET"]),
     ])
 
 
