@@ -106,7 +106,7 @@ def _parquet_rows(path: Path, fmt: str) -> list[tuple[str, dict[str, Any]]]:
             why = "it is truncated or corrupt; stage or write it again"
         else:
             why = "it is neither Parquet nor JSON lines"
-        raise DataError(f"{path}: not a readable Parquet file ({exc}): {why}") from None
+        raise DataError(f"{path}: cannot be read as Parquet: {why} (pyarrow: {exc})") from None
     return [(f"{path} row {i}", row) for i, row in enumerate(rows)]
 
 
@@ -147,7 +147,7 @@ def _json_row(text: str, where: str) -> dict[str, Any] | None:
     try:
         row = json.loads(text)
     except RecursionError:
-        raise DataError(f"{where}: nested too deeply to parse (a row may nest at most {MAX_NESTING} "
+        raise DataError(f"{where}: nested too deeply to parse (a field may nest at most {MAX_NESTING} "
                         f"levels)") from None
     except ValueError as exc:  # not JSON, or an integer beyond Python's digit limit
         raise DataError(f"{where}: not valid JSON ({getattr(exc, 'msg', exc)})") from None
