@@ -77,10 +77,11 @@ def _kind(path: Path, fmt: str) -> str:
     return fmt if fmt != "auto" else ("parquet" if path.suffix == ".parquet" else "jsonl")
 
 
-def _fix_format(path: Path, fmt: str, actual: str) -> str:
-    """How to make ``path``, whose bytes are ``actual``, read as that: the format or the file name."""
+def _fix_format(fmt: str, actual: str) -> str:
+    """How to make a file whose bytes are ``actual`` read as that: its name or spec.data.format."""
     if fmt == "auto":
-        return f"name it {SUFFIXES[actual][0]} (spec.data.format auto goes by the name) or set spec.data.format: {actual}"
+        return (f"name it {SUFFIXES[actual][0]} (spec.data.format auto goes by the name) "
+                f"or set spec.data.format: {actual}")
     return f"set spec.data.format: {actual} (or auto, which goes by the file name)"
 
 
@@ -101,7 +102,7 @@ def _parquet_rows(path: Path, fmt: str) -> list[tuple[str, dict[str, Any]]]:
         with path.open("rb") as f:
             head = f.read(64).lstrip(codecs.BOM_UTF8).lstrip()
         if head[:1] in (b"{", b"["):
-            why = f"it holds JSON lines; {_fix_format(path, fmt, 'jsonl')}"
+            why = f"it holds JSON lines; {_fix_format(fmt, 'jsonl')}"
         elif head.startswith(PARQUET_MAGIC):
             why = "it is truncated or corrupt; stage or write it again"
         else:
@@ -115,17 +116,17 @@ def _jsonl_rows(path: Path, fmt: str) -> list[tuple[str, dict[str, Any]]]:
     with path.open("rb") as f:
         for n, line in enumerate(f, 1):
             where = f"{path}:{n}"
-            row = _json_row(_text(line, where, path, fmt, first=n == 1), where)
+            row = _json_row(_text(line, where, fmt, first=n == 1), where)
             if row is not None:
                 rows.append((where, row))
     return rows
 
 
-def _text(line: bytes, where: str, path: Path, fmt: str, *, first: bool) -> str:
+def _text(line: bytes, where: str, fmt: str, *, first: bool) -> str:
     """One line of a JSON-lines file as text: UTF-8 (a leading byte-order mark is dropped)."""
     if first:
         if line.startswith(PARQUET_MAGIC):
-            raise DataError(f"{where}: this is a Parquet file, read as JSON lines: {_fix_format(path, fmt, 'parquet')}")
+            raise DataError(f"{where}: this is a Parquet file, read as JSON lines: {_fix_format(fmt, 'parquet')}")
         if line.startswith(UTF16_BOMS):
             raise DataError(f"{where}: the file is UTF-16 (it starts with a UTF-16 byte-order mark); JSON lines "
                             f"must be UTF-8: convert it, e.g. iconv -f UTF-16 -t UTF-8")
