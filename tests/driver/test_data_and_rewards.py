@@ -1,11 +1,17 @@
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
-from kuberl.api.types import RewardSpec
-from kuberl.train.data import DataError, PromptStream, check_prompt_lengths, load_prompts, steps_for_epochs
+from kuberl.api.types import RewardSpec, RLTrainingJobSpec
+from kuberl.train.data import (DataError, PromptStream, check_prompt_lengths, load_for_spec, load_prompts,
+                              steps_for_epochs)
 from kuberl.train.rewards import (RewardError, RewardInput, gsm8k_flexible, gsm8k_strict, load_reward, repeat_letter,
                                   score)
 
@@ -168,3 +174,133 @@ def test_check_data_command_fails_in_the_init_container_naming_row_and_field(tmp
     bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"question": "no prompt"}])
     assert main(["check-data", "--config", str(config), str(bad)]) == 1
     assert "bad.jsonl:2: no field 'prompt' (spec.data.promptField)" in capsys.readouterr().err
+
+
+# --- hostile and mistaken data files: the loader and `kuberl check-data` (a subprocess, as the init
+# container runs it) both end in one message naming the file and line, never a traceback -----------
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _spec(data: dict | None = None, **rest):
+    return RLTrainingJobSpec.model_validate({"image": "i", "model": {"uri": "/m"},
+                                             "data": {"uri": "s3://bucket/d", **(data or {})}, **rest})
+
+
+def _check_data(tmp_path, path, data: dict | None = None, **rest) -> subprocess.CompletedProcess:
+    """``kuberl check-data --config job.yaml PATH`` exactly as the head pod's init container runs it."""
+    config = tmp_path / "job.yaml"
+    spec = _spec(data, **rest).model_dump(mode="json", by_alias=True, exclude_none=True)
+    config.write_text(yaml.safe_dump({"apiVersion": "kuberl.dev/v1alpha1", "kind": "RLTrainingJob",
+                                      "metadata": {"name": "j"}, "spec": spec}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "workloads"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "kuberl.cli", "check-data", "--config", str(config), str(path)],
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def _refused_everywhere(tmp_path, path, needles: list[str], data: dict | None = None, **rest):
+    with pytest.raises(DataError) as info:
+        load_for_spec(path, _spec(data, **rest))
+    assert all(needle in str(info.value) for needle in needles), str(info.value)
+    result = _check_data(tmp_path, path, data, **rest)
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert all(needle in result.stderr for needle in needles), result.stderr
+
+
+def _parquet(path, rows=3):
+    pq.write_table(pa.table({"prompt": ["q"] * rows, "answer": ["a"] * rows}), path)
+    return path
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b'{"prompt": "q", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n',
+     "d.jsonl:2: not valid UTF-8 (byte 0xe9 at column 16)"),
+    ('{"prompt": "q", "answer": "1"}\n'.encode("utf-16"), "d.jsonl:1: the file is UTF-16"),
+    ('{"prompt": "q", "answer": "1"}\n{"prompt": "r", "answer": "2"}\n'.encode("utf-16-le"),
+     "d.jsonl:1: holds NUL bytes (UTF-16 text without a byte-order mark?)"),
+    (b'{"prompt": "q", "answer": "1"}\n{"prompt": "q", "answer": ' + b"[" * 100000 + b"]" * 100000 + b"}\n",
+     "d.jsonl:2: nested too deeply to parse"),
+    (b'{"prompt": "q", "answer": ' + b"[" * 200 + b"]" * 200 + b"}\n",
+     "d.jsonl:1: field 'answer' (spec.data.answerField) nests more than 100 levels deep"),
+    (b'{"prompt": "q", "answer": ' + b"9" * 5000 + b"}\n", "d.jsonl:1: not valid JSON (Exceeds the limit"),
+], ids=["invalid-utf8", "utf16-bom", "utf16-no-bom", "nested-100000", "nested-200", "huge-integer"])
+def test_undecodable_or_too_deep_rows_name_file_and_line(tmp_path, content, needle):
+    (tmp_path / "d.jsonl").write_bytes(content)
+    _refused_everywhere(tmp_path, tmp_path / "d.jsonl", [needle])
+
+
+def test_a_utf8_byte_order_mark_is_accepted(tmp_path):
+    (tmp_path / "d.jsonl").write_bytes(b'\xef\xbb\xbf{"prompt": "q", "answer": "1"}\n')
+    assert [p.text for p in load_prompts(tmp_path / "d.jsonl")] == ["q"]
+
+
+@pytest.mark.parametrize("name, content, fmt, needles", [
+    ("d.jsonl", "jsonl", "parquet", ["d.jsonl: cannot be read as Parquet: it holds JSON lines; "
+                                     "set spec.data.format: jsonl"]),
+    ("d.parquet", "jsonl", "auto", ["d.parquet: cannot be read as Parquet: it holds JSON lines; name it .jsonl"]),
+    ("d.parquet", "parquet", "jsonl", ["d.parquet:1: this is a Parquet file, read as JSON lines: "
+                                       "set spec.data.format: parquet"]),
+    ("d.jsonl", "parquet", "auto", ["d.jsonl:1: this is a Parquet file, read as JSON lines: name it .parquet"]),
+    ("d.parquet", "truncated", "auto", ["d.parquet: cannot be read as Parquet: it is truncated or corrupt"]),
+    ("dir", "jsonl-dir", "parquet", ["no .parquet files under", "it holds .jsonl files"]),
+], ids=["parquet-on-jsonl", "auto-parquet-name-jsonl-bytes", "jsonl-on-parquet", "auto-jsonl-name-parquet-bytes",
+        "truncated-parquet", "dir-of-the-other-format"])
+def test_the_wrong_format_is_named(tmp_path, name, content, fmt, needles):
+    path = tmp_path / name
+    if content == "jsonl":
+        _jsonl(path, [{"prompt": "q", "answer": "1"}])
+    elif content == "parquet":
+        path.write_bytes(_parquet(tmp_path / "p.parquet").read_bytes())
+    elif content == "truncated":
+        whole = _parquet(tmp_path / "p.parquet", rows=100).read_bytes()
+        path.write_bytes(whole[:len(whole) // 2])
+    else:
+        path.mkdir()
+        _jsonl(path / "a.jsonl", [{"prompt": "q", "answer": "1"}])
+    _refused_everywhere(tmp_path, path, needles, {"format": fmt})
+
+
+@pytest.mark.parametrize("row, data, needle", [
+    ({"prompt": "q", "reward_model": {"ground_truth": "1"}}, {"answerField": "reward_model.ground_truht"},
+     "no row has field 'reward_model.ground_truht' (spec.data.answerField); the rows' fields are "
+     "['prompt', 'reward_model']"),
+    ({"prompt": "q", "solution": "1"}, {},  # the default name, while the built-in reward scores answers
+     "no row has field 'answer' (spec.data.answerField); the rows' fields are ['prompt', 'solution']"),
+    ({"prompt": "q", "answer": "1"}, {"dataSourceField": "source"},
+     "no row has field 'source' (spec.data.dataSourceField)"),
+    ({"prompt": "q", "answer": "1"}, {"extraInfoField": "info"}, "no row has field 'info' (spec.data.extraInfoField)"),
+    ({"prompt": "q", "answer": "1"}, {"promptField": "promt"},
+     "d.jsonl:1: no field 'promt' (spec.data.promptField); fields are ['answer', 'prompt']"),
+], ids=["answer-typo", "answer-default-absent", "data-source-typo", "extra-info-typo", "prompt-typo"])
+def test_a_field_in_no_row_is_an_error_naming_it(tmp_path, row, data, needle):
+    _refused_everywhere(tmp_path, _jsonl(tmp_path / "d.jsonl", [row, row]), [needle], data)
+
+
+def test_rows_without_an_answer_are_counted_not_refused(tmp_path, caplog):
+    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "q", "answer": "1"}, {"prompt": "r"}])
+    prompts = load_for_spec(path, _spec())
+    assert [p.answer for p in prompts] == ["1", None]
+    assert "1 of 2 rows have no field 'answer' (spec.data.answerField)" in caplog.text
+    result = _check_data(tmp_path, path)
+    assert result.returncode == 0, result.stderr
+    assert "warning: spec.data.uri" in result.stderr and "1 of 2 rows have no field 'answer'" in result.stderr
+    assert "2 prompts usable" in result.stdout
+
+
+def test_answerless_data_passes_when_no_builtin_reward_scores_answers(tmp_path):
+    """A job's own reward function (or agent) may not need answers: the default field may be absent."""
+    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "q"}])
+    result = _check_data(tmp_path, path, reward={"function": "kuberl.train.rewards:repeat_letter"})
+    assert result.returncode == 0, result.stderr
+    assert "1 of 1 rows have no field 'answer'" in result.stderr
+
+
+def test_a_data_symlink_leading_out_is_refused(tmp_path):
+    """A data directory read where it lies (a mounted path or claim) links only within itself."""
+    data = tmp_path / "data"
+    data.mkdir()
+    _jsonl(data / "a.jsonl", [{"prompt": "q", "answer": "1"}])
+    _jsonl(tmp_path / "secret.jsonl", [{"prompt": "token", "answer": "x"}])
+    (data / "b.jsonl").symlink_to("../secret.jsonl")
+    _refused_everywhere(tmp_path, data, [f"refusing {data / 'b.jsonl'}: it is a symlink", "leading out of the source"])

@@ -265,3 +265,101 @@ def test_pvc_symlink_out_of_the_claim_is_refused(claim, tmp_path, link, uri):
     with pytest.raises(StorageError, match="leading out of claim"):
         with resolve(uri):
             pass
+
+
+# --- plain local sources stay inside themselves ----------------------------------------------------
+
+
+@pytest.fixture
+def local_model(tmp_path, monkeypatch):
+    """A model at a plain path (in the image or on a volume mounted there), a secret beside it."""
+    monkeypatch.setenv("KUBERL_PVC_ROOT", str(tmp_path / "pvc"))  # no claim mount above the source
+    model = tmp_path / "models" / "m"
+    (model / "blobs").mkdir(parents=True)
+    (model / "blobs" / "abc").write_bytes(b"weights")
+    (model / "model.safetensors").symlink_to("blobs/abc")  # a link within the source
+    (tmp_path / "secret").write_text("token")
+    (tmp_path / "outdir").mkdir()
+    (tmp_path / "outdir" / "secret").write_text("token")
+    return model
+
+
+def test_local_symlinks_within_the_source_are_staged(local_model, tmp_path):
+    result = kuberl_stage({"KUBERL_PVC_ROOT": str(tmp_path / "pvc")}, str(local_model), str(tmp_path / "dst"))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "dst" / "model.safetensors").read_bytes() == b"weights"
+    with resolve(str(local_model)) as path:
+        assert path == str(local_model)
+
+
+@pytest.mark.parametrize("link, target", [
+    ("config.json", "/etc/passwd"),     # an absolute link to the pod's own files
+    ("tokenizer.json", "../../secret"),  # a relative one climbing out
+    ("sub", "../../outdir"),             # a directory leading out
+], ids=["absolute", "dotdot", "directory"])
+def test_local_symlink_out_of_the_source_is_refused(local_model, tmp_path, link, target):
+    (local_model / link).symlink_to(target)
+    dst = tmp_path / "dst"
+    result = kuberl_stage({"KUBERL_PVC_ROOT": str(tmp_path / "pvc")}, str(local_model), str(dst))
+    refused(result, f"refusing {local_model / link}", "leading out of the source")
+    assert not dst.exists() or not any(p.read_bytes() in (b"token", Path("/etc/passwd").read_bytes())
+                                       for p in dst.rglob("*") if p.is_file())
+    with pytest.raises(StorageError, match=f"refusing {local_model / link}: .* leading out of the source"):
+        with resolve(str(local_model)):
+            pass
+
+
+def test_local_source_that_is_itself_a_symlink_is_refused(local_model, tmp_path):
+    (tmp_path / "models" / "current").symlink_to(tmp_path / "outdir")
+    with pytest.raises(StorageError, match="current: it is a symlink .* name the place it points at"):
+        with resolve(str(tmp_path / "models" / "current")):
+            pass
+
+
+def test_a_hugging_face_cache_snapshot_may_link_into_its_blobs(tmp_path, monkeypatch):
+    """What `huggingface-cli download` leaves in HF_HOME: a snapshot of links into ../../blobs."""
+    monkeypatch.setenv("KUBERL_PVC_ROOT", str(tmp_path / "pvc"))
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "e3b0").write_text("{}")
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").symlink_to("../../blobs/e3b0")
+    with resolve(str(snapshot)) as path:
+        assert (Path(path) / "config.json").read_text() == "{}"
+    (tmp_path / "secret").write_text("token")
+    (snapshot / "tokenizer.json").symlink_to("../../../../secret")
+    with pytest.raises(StorageError, match="leading out of the Hugging Face cache 'models--org--tiny'"):
+        with resolve(str(snapshot)):
+            pass
+
+
+def test_a_claim_read_at_its_mount_path_keeps_the_claim_rule(claim, tmp_path):
+    """In a pod the driver and check-data get a pvc:// source as its mount path: the same rule."""
+    (claim.parent / "shared.txt").write_text("in the claim")
+    (claim / "shared.txt").symlink_to("../shared.txt")  # out of the source, within the claim
+    with resolve(str(claim)):
+        pass
+    (claim / "config.json").symlink_to(tmp_path / "secret")
+    with pytest.raises(StorageError, match="leading out of claim 'models'"):
+        with resolve(str(claim)):
+            pass
+
+
+def test_local_checkpoint_with_a_planted_symlink_is_refused(tmp_path, monkeypatch):
+    """A checkpoint root on a mounted path (checkpoint.uri: /ckpt): restore reads the step in
+    place after verify_checkpoint, and `kuberl stage --checkpoint` copies it; neither may follow
+    a link planted in the step out of it."""
+    monkeypatch.setenv("KUBERL_PVC_ROOT", str(tmp_path / "pvc"))
+    root = str(tmp_path / "ckpt")
+    _commit(tmp_path, root, 5, {"trainer/__0_0.distcp": b"a" * 5, "driver.json": b"{}"})
+    (tmp_path / "secret").write_text("token")
+    shard = tmp_path / "ckpt" / "step-000000005" / "trainer" / "__0_0.distcp"
+    shard.unlink()
+    shard.symlink_to(tmp_path / "secret")  # "token": the size COMPLETE lists
+    with pytest.raises(StorageError, match="__0_0.distcp: it is a symlink .* leading out of the source"):
+        verify_checkpoint(f"{root}/step-000000005")
+    dst = tmp_path / "dst"
+    refused(kuberl_stage({"KUBERL_PVC_ROOT": str(tmp_path / "pvc")}, "--checkpoint", root, str(dst)),
+            "__0_0.distcp", "leading out of the source")
+    assert not dst.exists() or not any(p.read_bytes() == b"token" for p in dst.rglob("*") if p.is_file())

@@ -8,6 +8,7 @@ row is usable, 1 otherwise (the message says why), 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -42,8 +43,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kuberl check-data: {exc}", file=sys.stderr)
             return 1
     section = "spec.validation" if args.validation else "spec.data"
+    # The loader's warnings (rows without an answer, ...) are part of the report.
+    logging.basicConfig(level=logging.WARNING, format="kuberl check-data: warning: %(message)s", stream=sys.stderr)
     try:
-        prompts = load_for_spec(args.path, job.spec.data, spec_field=section)
+        prompts = load_for_spec(args.path, job.spec, spec_field=section)
     except DataError as exc:
         print(f"kuberl check-data: {exc}", file=sys.stderr)
         return 1

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import fsspec
 
+from kuberl.storage import filesystems
 from kuberl.storage.errors import StorageError, explain, with_retries
 from kuberl.storage.manifest import FileRecord
 from kuberl.storage.progress import Progress, log
@@ -68,7 +69,11 @@ def _identity(info: dict, scheme: str) -> tuple[str | None, str | None]:
 
 def list_source(fs: fsspec.AbstractFileSystem, parsed: ParsedURI, root: str, uri: str, *,
                 exclude: Sequence[str] = (), attempts: int = 5) -> list[RemoteFile]:
-    """Every object below ``root`` (or ``root`` itself when it is one object), keys checked."""
+    """Every object below ``root`` (or ``root`` itself when it is one object), keys checked; a
+    local source (a path or pvc://) only if none of its symlinks leads out of it
+    (``filesystems.check_containment``)."""
+    if not parsed.is_cloud:
+        filesystems.check_containment(Path(root), uri)
     try:
         listing = with_retries(lambda: fs.find(root, detail=True, withdirs=False), uri=uri,
                                attempts=attempts, log=log.warning)
@@ -81,8 +86,8 @@ def list_source(fs: fsspec.AbstractFileSystem, parsed: ParsedURI, root: str, uri
     files = []
     for key, info in listing.items():
         if info.get("islink") and not parsed.is_cloud and os.path.isfile(key):
-            # A local symlink to a file (a Hugging Face cache is built of them; pvc:// sources were
-            # checked to link only within their claim): copy what it points at.
+            # A local symlink to a file (a Hugging Face cache is built of them; checked above to
+            # link only within the source): copy what it points at.
             info = {**info, "type": "file", "size": os.stat(key).st_size}
         if info.get("type") != "file" or key.endswith("/"):
             continue  # "folder" marker objects carry no data

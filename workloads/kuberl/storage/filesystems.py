@@ -8,6 +8,7 @@ the job spec, so a spec cannot point a worker at someone else's credentials.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
@@ -32,23 +33,57 @@ def local_path(parsed: ParsedURI) -> Path:
     raise ValueError(f"{parsed.original!r} is not a local or pvc:// path")
 
 
-def check_claim_containment(parsed: ParsedURI) -> None:
-    """Refuse a ``pvc://`` source any entry of which resolves (through symlinks) outside its claim.
+@dataclass(frozen=True)
+class Boundary:
+    """The directory a local source's entries must resolve within, how messages name it, and the fix."""
 
-    A claim may hold symlinks (a Hugging Face cache is built of them), but none may lead out of
-    it: whoever can write to the claim must not make a pod read the pod's own files (its
-    ServiceAccount token, /proc/self/environ with a Secret's variables, other mounts). Symlinked
-    directories are checked, never descended into.
+    root: str
+    name: str
+    fix: str
+
+
+def boundary(source: Path) -> Boundary:
+    """Where the symlinks of local source ``source`` may lead:
+
+    - below the pvc:// mount root (a ``pvc://`` URI, or the path a pod reads a claim at): anywhere
+      in that claim;
+    - in a Hugging Face cache snapshot (``.../models--org--name/snapshots/<rev>...``): anywhere in
+      that repo's cache directory, whose ``blobs/`` the snapshot's files link to;
+    - else within the source itself. Its last component is not followed: a source that is itself a
+      symlink names another place than the one its writer was trusted with.
     """
-    claim = os.path.realpath(pvc_root() / parsed.bucket)
-    source = local_path(parsed)
+    source = Path(os.path.abspath(source))
+    mount = pvc_root()
+    if source.is_relative_to(mount) and source != mount:
+        claim = source.relative_to(mount).parts[0]
+        return Boundary(os.path.realpath(mount / claim), f"claim {claim!r}",
+                        "a pvc:// source may only link within its claim")
+    parts = source.parts
+    for i in range(1, len(parts) - 1):
+        if parts[i] == "snapshots" and parts[i - 1].startswith(("models--", "datasets--")):
+            return Boundary(os.path.realpath(Path(*parts[:i])), f"the Hugging Face cache {parts[i - 1]!r}",
+                            "a cache snapshot may only link within its repo's cache directory")
+    return Boundary(os.path.join(os.path.realpath(source.parent), source.name), "the source",
+                    "a local source may only link within itself: name the place it points at instead, "
+                    "or copy the files in (cp -rL)")
+
+
+def check_containment(source: Path, uri: str) -> None:
+    """Refuse local source ``source`` (a path or a ``pvc://`` mount) if any entry of it resolves,
+    through symlinks, outside its ``boundary``.
+
+    Symlinks are allowed (a Hugging Face cache is built of them), but none may lead out: whoever can
+    write the source must not make a pod read the pod's own files (its ServiceAccount token,
+    /proc/self/environ with a Secret's variables, other mounts). Symlinked directories are checked,
+    never descended into.
+    """
+    allowed = boundary(source)
     entries = [source] + [Path(d) / name for d, dirs, files in os.walk(source) for name in dirs + files]
     for entry in entries:
         real = os.path.realpath(entry)
-        if os.path.commonpath([claim, real]) != claim:
-            raise StorageError(f"{parsed.original}: refusing {entry}: it is a symlink (or lies below one) "
-                               f"leading out of claim {parsed.bucket!r} to {real}; a pvc:// source may "
-                               f"only link within its claim")
+        if os.path.commonpath([allowed.root, real]) != allowed.root:
+            raise StorageError(f"{uri}: refusing {entry}: it is a symlink (or lies below one) leading out of "
+                               f"{allowed.name} to {real}; {allowed.fix}")
 
 
 def filesystem(parsed: ParsedURI, *, max_connections: int = 32) -> fsspec.AbstractFileSystem:

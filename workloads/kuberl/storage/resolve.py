@@ -23,7 +23,8 @@ def resolve(uri: str, *, revision: str | None = None, trust_remote_code: bool = 
     """Yield a local directory holding ``uri``.
 
     - absolute paths and ``pvc://claim/path`` (mounted at ``$KUBERL_PVC_ROOT/claim``, default
-      ``/mnt/pvc``) pass through without copying; a claim's symlinks may not lead out of it;
+      ``/mnt/pvc``) pass through without copying; their symlinks may not lead out of the source
+      (or its claim: ``filesystems.check_containment``);
     - ``hf://org/name[@rev]`` and bare ids such as ``Qwen/Qwen2.5-1.5B-Instruct`` go through
       huggingface_hub's snapshot_download (its cache, ``cache_dir`` if given);
     - ``s3://`` and ``gs://`` are staged into a temporary directory (under ``cache_dir`` if given)
@@ -43,8 +44,7 @@ def resolve(uri: str, *, revision: str | None = None, trust_remote_code: bool = 
                     f"{parsed.bucket}? KUBERL_PVC_ROOT sets the mount root)"
                     if parsed.scheme == "pvc" else "")
             raise FileNotFoundError(f"{uri}: {path} does not exist{hint}")
-        if parsed.scheme == "pvc":
-            filesystems.check_claim_containment(parsed)
+        filesystems.check_containment(path, uri)
         yield str(path)
         return
     if parsed.scheme == "hf":

@@ -57,7 +57,7 @@ def stage(src: str, dst: str | Path, *, workers: int = DEFAULT_WORKERS,
     relative path. A source naming one ``.tar`` object is unpacked into ``dst`` (uncompressed
     tar only, through kuberl.storage.archive) unless ``unpack_tar`` is False. A source holding a
     checkpoint manifest (a top-level ``COMPLETE``) must hold exactly the files it lists. A
-    ``pvc://`` source may not link out of its claim.
+    local or ``pvc://`` source may not link out of itself or its claim (list_source).
     """
     if checksum not in ("auto", "size"):
         raise ValueError(f"checksum must be 'auto' or 'size', not {checksum!r}")
@@ -71,8 +71,6 @@ def stage(src: str, dst: str | Path, *, workers: int = DEFAULT_WORKERS,
         return _stage_hf(parsed, dst, workers, exclude, started)
     fs = filesystems.filesystem(parsed, max_connections=workers)
     root = filesystems.root_path(parsed)
-    if parsed.scheme == "pvc":
-        filesystems.check_claim_containment(parsed)
     files = list_source(fs, parsed, root, src, exclude=exclude, attempts=attempts)
     check_against_manifest(fs, files, src, exclude, attempts)
     options = dict(workers=workers, part_size=part_size, verify_md5=checksum == "auto",

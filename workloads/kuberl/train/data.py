@@ -9,11 +9,20 @@ init container that stages the data, so a bad file fails there, naming the row a
 
 from __future__ import annotations
 
+import codecs
 import json
+import logging
 import random
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kuberl.api.types import DataSpec
+from kuberl.storage import filesystems
+from kuberl.storage.errors import StorageError
+
+log = logging.getLogger("kuberl.train")
 
 
 class DataError(ValueError):
@@ -33,37 +42,131 @@ class Prompt:
     extra_info: dict = field(default_factory=dict)
 
 
+SUFFIXES = {"jsonl": (".jsonl",), "parquet": (".parquet",)}
+PARQUET_MAGIC = b"PAR1"
+UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)  # UTF-32's begin with these too
+# How deep a row's answer or extra_info may nest. They travel on to reward functions and agent
+# harnesses through pickle and JSON, which recurse: a value that parses here must not fail there,
+# mid-run. No real data set comes close.
+MAX_NESTING = 100
+
+
 def _files(path: Path, fmt: str) -> list[Path]:
+    if not path.exists():
+        raise DataError(f"spec.data.uri: {path} does not exist")
+    try:
+        # In a pod the data is a staged copy or a mounted claim, read where it lies: none of its
+        # symlinks may lead out of it (or its claim), as for model sources.
+        filesystems.check_containment(path.absolute(), str(path))
+    except StorageError as exc:
+        raise DataError(str(exc)) from None
     if path.is_file():
         return [path]
     if not path.is_dir():
-        raise DataError(f"spec.data.uri: {path} does not exist")
-    suffixes = {"jsonl": (".jsonl",), "parquet": (".parquet",)}.get(fmt, (".jsonl", ".parquet"))
+        raise DataError(f"spec.data.uri: {path} is neither a file nor a directory")
+    suffixes = SUFFIXES.get(fmt, (".jsonl", ".parquet"))
     found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in suffixes)
     if not found:
-        raise DataError(f"spec.data.uri: no {' or '.join(suffixes)} files under {path}")
+        others = sorted({p.suffix for p in path.rglob("*") if p.is_file() and p.suffix in (".jsonl", ".parquet")})
+        hint = f" (it holds {' and '.join(others)} files: set spec.data.format to auto)" if others else ""
+        raise DataError(f"spec.data.uri: no {' or '.join(suffixes)} files under {path}{hint}")
     return found
 
 
-def _rows(path: Path, fmt: str) -> list[tuple[str, dict[str, Any]]]:
-    kind = fmt if fmt != "auto" else ("parquet" if path.suffix == ".parquet" else "jsonl")
-    if kind == "parquet":
-        import pyarrow.parquet as pq
+def _kind(path: Path, fmt: str) -> str:
+    return fmt if fmt != "auto" else ("parquet" if path.suffix == ".parquet" else "jsonl")
 
-        return [(f"{path} row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist())]
+
+def _fix_format(fmt: str, actual: str) -> str:
+    """How to make a file whose bytes are ``actual`` read as that: its name or spec.data.format."""
+    if fmt == "auto":
+        return (f"name it {SUFFIXES[actual][0]} (spec.data.format auto goes by the name) "
+                f"or set spec.data.format: {actual}")
+    return f"set spec.data.format: {actual} (or auto, which goes by the file name)"
+
+
+def _rows(path: Path, fmt: str) -> list[tuple[str, dict[str, Any]]]:
+    try:
+        return _parquet_rows(path, fmt) if _kind(path, fmt) == "parquet" else _jsonl_rows(path, fmt)
+    except OSError as exc:
+        raise DataError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+
+
+def _parquet_rows(path: Path, fmt: str) -> list[tuple[str, dict[str, Any]]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except pa.ArrowException as exc:
+        with path.open("rb") as f:
+            head = f.read(64).lstrip(codecs.BOM_UTF8).lstrip()
+        if head[:1] in (b"{", b"["):
+            why = f"it holds JSON lines; {_fix_format(fmt, 'jsonl')}"
+        elif head.startswith(PARQUET_MAGIC):
+            why = "it is truncated or corrupt; stage or write it again"
+        else:
+            why = "it is neither Parquet nor JSON lines"
+        raise DataError(f"{path}: cannot be read as Parquet: {why} (pyarrow: {exc})") from None
+    return [(f"{path} row {i}", row) for i, row in enumerate(rows)]
+
+
+def _jsonl_rows(path: Path, fmt: str) -> list[tuple[str, dict[str, Any]]]:
     rows = []
-    with path.open() as f:
+    with path.open("rb") as f:
         for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-            rows.append((f"{path}:{n}", row))
+            where = f"{path}:{n}"
+            row = _json_row(_text(line, where, fmt, first=n == 1), where)
+            if row is not None:
+                rows.append((where, row))
     return rows
+
+
+def _text(line: bytes, where: str, fmt: str, *, first: bool) -> str:
+    """One line of a JSON-lines file as text: UTF-8 (a leading byte-order mark is dropped)."""
+    if first:
+        if line.startswith(PARQUET_MAGIC):
+            raise DataError(f"{where}: this is a Parquet file, read as JSON lines: {_fix_format(fmt, 'parquet')}")
+        if line.startswith(UTF16_BOMS):
+            raise DataError(f"{where}: the file is UTF-16 (it starts with a UTF-16 byte-order mark); JSON lines "
+                            f"must be UTF-8: convert it, e.g. iconv -f UTF-16 -t UTF-8")
+        line = line.removeprefix(codecs.BOM_UTF8)
+    if b"\x00" in line:  # never in JSON text; every other byte of UTF-16 text
+        raise DataError(f"{where}: holds NUL bytes (UTF-16 text without a byte-order mark?); JSON lines must be "
+                        f"UTF-8: convert it, e.g. iconv -f UTF-16LE -t UTF-8")
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{where}: not valid UTF-8 (byte {line[exc.start]:#04x} at column {exc.start + 1}); "
+                        f"JSON lines must be UTF-8: convert the file, e.g. with iconv") from None
+
+
+def _json_row(text: str, where: str) -> dict[str, Any] | None:
+    """The object on one line; None for a blank line."""
+    if not text.strip():
+        return None
+    try:
+        row = json.loads(text)
+    except RecursionError:
+        raise DataError(f"{where}: nested too deeply to parse (a field may nest at most {MAX_NESTING} "
+                        f"levels)") from None
+    except ValueError as exc:  # not JSON, or an integer beyond Python's digit limit
+        raise DataError(f"{where}: not valid JSON ({getattr(exc, 'msg', exc)})") from None
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+def _nesting(value: Any, limit: int) -> int:
+    """How many dicts and lists deep ``value`` nests, counted up to ``limit + 1``."""
+    deepest, todo = 0, [(value, 1)]
+    while todo and deepest <= limit:
+        item, depth = todo.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            todo.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 _MISSING = object()
@@ -108,12 +211,21 @@ def _messages(value: Any, where: str, field_name: str) -> list[dict[str, str]]:
 def load_prompts(path: str | Path, *, prompt_field: str = "prompt", answer_field: str = "answer",
                  fmt: str = "auto", system_prompt: str | None = None, prompt_template: str | None = None,
                  data_source_field: str = "data_source", extra_info_field: str = "extra_info",
-                 spec_field: str = "spec.data") -> list[Prompt]:
+                 spec_field: str = "spec.data", must_match: Collection[str] = ()) -> list[Prompt]:
     """Every row as a ``Prompt``; raises ``DataError`` naming the file, the row and the field.
-    ``spec_field`` names the spec section in messages (spec.data or spec.validation)."""
+    ``spec_field`` names the spec section in messages (spec.data or spec.validation).
+
+    Every row needs the prompt field. The answer, data-source and extra-info fields may be absent
+    from a row (None, "", {}); rows without them are counted and logged. Those named in
+    ``must_match`` (``answerField``, ``dataSourceField``, ``extraInfoField``) must be in at least
+    one row: a field in no row at all is a typo or the wrong data set."""
+    optional = {"answerField": answer_field, "dataSourceField": data_source_field, "extraInfoField": extra_info_field}
+    absent = dict.fromkeys(optional, 0)
+    fields: set[str] = set()
     prompts = []
     for file in _files(Path(path), fmt):
         for where, row in _rows(file, fmt):
+            fields.update(row)
             value = lookup(row, prompt_field)
             if value is _MISSING:
                 raise DataError(f"{where}: no field {prompt_field!r} (spec.data.promptField); "
@@ -123,26 +235,56 @@ def load_prompts(path: str | Path, *, prompt_field: str = "prompt", answer_field
                 messages[-1]["content"] = prompt_template.replace("{prompt}", messages[-1]["content"])
             if system_prompt is not None and messages[0]["role"] != "system":
                 messages.insert(0, {"role": "system", "content": system_prompt})
-            answer = lookup(row, answer_field)
-            extra = lookup(row, extra_info_field)
+            found = {name: lookup(row, field_path) for name, field_path in optional.items()}
+            for name, value in found.items():
+                if value is _MISSING:
+                    absent[name] += 1
+                elif _nesting(value, MAX_NESTING) > MAX_NESTING:
+                    raise DataError(f"{where}: field {optional[name]!r} (spec.data.{name}) nests more than "
+                                    f"{MAX_NESTING} levels deep")
+            answer, source, extra = found["answerField"], found["dataSourceField"], found["extraInfoField"]
             if extra is not _MISSING and extra is not None and not isinstance(extra, dict):
                 raise DataError(f"{where}: field {extra_info_field!r} (spec.data.extraInfoField) must be an "
                                 f"object, got {type(extra).__name__}")
-            source = lookup(row, data_source_field)
             prompts.append(Prompt(messages[-1]["content"], None if answer is _MISSING else answer, len(prompts),
                                   tuple(messages), "" if source is _MISSING or source is None else str(source),
                                   {} if extra is _MISSING or extra is None else extra))
     if not prompts:
         raise DataError(f"{spec_field}.uri: {path} holds no prompts")
+    for name, count in absent.items():
+        if count == len(prompts) and name in must_match:
+            raise DataError(f"{spec_field}.uri: {path}: no row has field {optional[name]!r} (spec.data.{name}); "
+                            f"the rows' fields are {sorted(fields)[:50]} (a dotted path reaches nested ones)")
+        if count:
+            log.warning("%s.uri: %s: %d of %d rows have no field %r (spec.data.%s)", spec_field, path, count,
+                        len(prompts), optional[name], name)
     return prompts
 
 
-def load_for_spec(path: str | Path, data, *, spec_field: str = "spec.data") -> list[Prompt]:
-    """``load_prompts`` with the field names, template and system prompt of ``data`` (a DataSpec)."""
+# The optional fields of spec.data, by their names in the spec and in DataSpec.
+OPTIONAL_FIELDS = {"answerField": "answer_field", "dataSourceField": "data_source_field",
+                   "extraInfoField": "extra_info_field"}
+
+
+def fields_that_must_match(spec) -> tuple[str, ...]:
+    """The optional fields of ``spec.data`` (``spec`` an RLTrainingJobSpec) that some row must have:
+    every one given a name other than its default (a typo must not read as "absent from every row"),
+    and the answer whenever a built-in reward scores against it."""
+    named = [name for name, attr in OPTIONAL_FIELDS.items()
+             if getattr(spec.data, attr) != DataSpec.model_fields[attr].default]
+    if spec.agent is None and spec.reward.builtin is not None and "answerField" not in named:
+        named.append("answerField")
+    return tuple(named)
+
+
+def load_for_spec(path: str | Path, spec, *, spec_field: str = "spec.data") -> list[Prompt]:
+    """``load_prompts`` with the field names, template and system prompt of ``spec.data`` (``spec``
+    an RLTrainingJobSpec), and ``fields_that_must_match(spec)``."""
+    data = spec.data
     return load_prompts(path, prompt_field=data.prompt_field, answer_field=data.answer_field, fmt=data.format,
                         system_prompt=data.system_prompt, prompt_template=data.prompt_template,
                         data_source_field=data.data_source_field, extra_info_field=data.extra_info_field,
-                        spec_field=spec_field)
+                        spec_field=spec_field, must_match=fields_that_must_match(spec))
 
 
 def check_prompt_lengths(prompts: list[Prompt], lengths: list[int], max_length: int, policy: str,

@@ -131,7 +131,7 @@ class GRPODriver:
         self.preemption = preemption or Preemption()
         algo = self.spec.algorithm
         self.algorithm = registry.get(algo.name)
-        prompts = self._fitting(load_for_spec(data_path, self.spec.data), "spec.data")
+        prompts = self._fitting(load_for_spec(data_path, self.spec), "spec.data")
         self.stream = PromptStream(prompts, algo.seed)
         self.total_steps = (steps_for_epochs(algo.epochs, len(prompts), algo.prompts_per_step)
                             if algo.epochs else algo.total_steps)
@@ -147,7 +147,7 @@ class GRPODriver:
                                       model=engines.served_model_name, episodes=episodes)
         self.validator = None
         if self.spec.validation is not None:
-            held_out = load_for_spec(validation_path or self.spec.validation.uri, self.spec.data,
+            held_out = load_for_spec(validation_path or self.spec.validation.uri, self.spec,
                                      spec_field="spec.validation")
             self.validator = Validator(self.spec.validation, self._fitting(held_out, "spec.validation"),
                                        engines=engines, tokenizer=tokenizer, reward_fn=self.reward_fn,
