@@ -1,13 +1,14 @@
 import json
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from kuberl.api.types import RewardSpec
 from kuberl.train.data import DataError, PromptStream, check_prompt_lengths, load_prompts, steps_for_epochs
-from kuberl.train.rewards import (RewardError, RewardInput, gsm8k_flexible, gsm8k_strict, load_reward, repeat_letter,
-                                  score)
+from kuberl.train.rewards import (MAX_ABS_REWARD, RewardError, RewardInput, gsm8k_flexible, gsm8k_strict, load_reward,
+                                  repeat_letter, score)
 
 
 def _jsonl(path, rows):
@@ -85,13 +86,31 @@ def test_reward_function_by_import_path():
 
 
 @pytest.mark.parametrize("returned,needle", [
-    ([1.0], "returned 1 rewards for 2 inputs"),
-    ([1.0, "high"], "reward 1 is 'high', not a number"),
+    ([1.0], r"^spec.reward.function m:f returned 1 rewards for 2 inputs \(samples 0-1\)$"),
+    ([1.0, "high"], r"^spec.reward.function m:f: reward 1 is 'high' \(str\), not a number"),
+    # A number as text is refused too, not read as 1000: parsing is the function's job.
+    ([1.0, "1e3"], r"^spec.reward.function m:f: reward 1 is '1e3' \(str\), not a number"),
+    # A bool is a predicate where a score was meant (and numpy's is no int): float(ok) says so.
+    ([True, 0.0], r"reward 0 is True \(bool\), not a number: .*a bool needs float\(\.\.\.\)"),
+    ([np.bool_(False), 0.0], r"reward 0 is False \(bool\)"),
     ([1.0, float("nan")], "reward 1 is nan, not finite"),
+    ([float("-inf"), 1.0], "reward 0 is -inf, not finite"),
+    # Beyond the magnitude bound: 1e308 made NaN advantages, 1e19 silently zero ones.
+    ([1e308, 1.0], r"reward 0 is 1e\+308, beyond the bound \|reward\| <= 1e\+06"),
+    ([1.0, -1e19], r"reward 1 is -1e\+19, beyond the bound"),
+    ([10**400, 1.0], "reward 0 is an int past float's range, beyond the bound"),
 ])
 def test_reward_results_are_checked(returned, needle):
     with pytest.raises(RewardError, match=needle):
-        score(lambda batch: returned, _inputs(["r", "s"], [None, None]))
+        score(lambda batch: returned, _inputs(["r", "s"], [None, None]), name="spec.reward.function m:f")
+
+
+def test_rewards_may_be_ints_and_numpy_or_torch_scalars_up_to_the_bound():
+    import torch
+
+    rewards = score(lambda batch: [1, np.float32(0.5), torch.tensor(-0.25), MAX_ABS_REWARD],
+                    _inputs(["a", "b", "c", "d"], [None] * 4))
+    assert rewards == [1.0, 0.5, -0.25, 1e6] and all(type(r) is float for r in rewards)
 
 
 def test_chat_prompts_nested_answers_template_and_system_prompt(tmp_path):
