@@ -216,8 +216,9 @@ class RewardWorkers:
                 done, pending = ray.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
                 if not done:
                     first, last = min(shares[ref] for ref in pending)
-                    raise RewardError(f"{self.name} did not return within {self.timeout_s:g} s (the step's "
-                                      f"reward timeout) for samples {first}-{last}; its workers were killed")
+                    raise RewardError(f"{self.name} did not return within {self.timeout_s:g} s "
+                                      f"(spec.reward.timeoutSeconds, the bound on a step's reward calls) for "
+                                      f"samples {first}-{last}; its workers were killed")
                 ray.get(done)  # a share that failed fails the step now, not after the slow ones
         except ray.exceptions.RayTaskError as exc:
             # exc.cause is the worker's own exception; its str() has no Ray traceback around it.
