@@ -187,3 +187,40 @@ def test_check_data_command_fails_in_the_init_container_naming_row_and_field(tmp
     bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"question": "no prompt"}])
     assert main(["check-data", "--config", str(config), str(bad)]) == 1
     assert "bad.jsonl:2: no field 'prompt' (spec.data.promptField)" in capsys.readouterr().err
+
+
+def _documented_rewards(**provided) -> dict:
+    """The Python blocks of docs/rewards.md, run as written (``provided`` stands in for what a
+    block calls but does not define, as a job's own module would)."""
+    import re
+    import textwrap
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "rewards.md").read_text()
+    namespace = dict(provided)
+    for indent, code in re.findall(r"^( *)```python\n(.*?)^\1```", doc, flags=re.M | re.S):
+        exec(compile(textwrap.dedent(code), "docs/rewards.md", "exec"), namespace)
+    return namespace
+
+
+def test_the_documented_reward_functions_score_as_the_page_says():
+    # A judge's verdicts, in place of the judge model the example calls.
+    verdicts = {"good": "7/10", "bad": "none"}
+    documented = _documented_rewards(ask_judge=lambda prompt, response: verdicts[response])
+    batch = _inputs(["Answer: 42", "I think 41. Answer: 42", "Answer: 41"], ["42", 42, "42"])
+    assert score(documented["exact_answer"], batch) == [1.0, 1.0, 0.0]
+    graded = [RewardInput(prompt="", response="it is 42", answer=42),
+              RewardInput(prompt="", response="it is 4", answer=42, finish_reason="length"),
+              RewardInput(prompt="", response="42", answer="42", data_source="bonus")]
+    assert score(documented["graded"], graded) == [1.0, -0.5, 2.0]
+    assert score(documented["judged"], _inputs(["good", "bad"], [None, None])) == [0.7, 0.0]
+
+
+def test_the_documented_error_is_the_one_a_string_reward_gets():
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "rewards.md").read_text()
+    with pytest.raises(RewardError) as error:
+        score(lambda batch: [0.0] * 5 + ["1e3"], _inputs(["r"] * 6, [None] * 6),
+              name="spec.reward.function my_rewards:exact_answer")
+    assert f"```\n{error.value}\n```" in doc
