@@ -134,7 +134,14 @@ def test_a_harness_that_fails_or_prints_no_reward_names_the_field(serve):
     base_url, episodes, _ = serve(make_spec())
     for command, message in [(["no-such-agent-program"], "spec.agent.harness.command: 'no-such-agent-program'"),
                              ([sys.executable, "-c", "import sys; sys.exit('boom')"], "exited 1; its stderr ends:\nboom"),
-                             ([sys.executable, "-c", "print('done')"], 'must print {"reward": <number>}')]:
+                             ([sys.executable, "-c", "print('done')"], 'must print {"reward": <number>}'),
+                             # A number as text is not read as one, nor a bool as 1.
+                             ([sys.executable, "-c", "print('{\"reward\": \"1e3\"}')"],
+                              "the harness's reward is '1e3' (str), not a number"),
+                             ([sys.executable, "-c", "print('{\"reward\": true}')"],
+                              "the harness's reward is True (bool), not a number"),
+                             ([sys.executable, "-c", "print('{\"reward\": 1e308}')"],
+                              "the harness's reward is 1e+308, beyond the bound |reward| <= 1e+06")]:
         spec = make_spec().model_copy(deep=True)
         spec.agent.environment = None
         spec.agent.harness = AgentHarnessSpec(command=command)
@@ -175,3 +182,95 @@ def test_a_chat_the_template_refuses_is_a_400_naming_messages(tmp_path):
     assert resp.json()["error"] == {"type": "invalid_request_error", "message": (
         "messages: the model's chat template refused this chat: Conversations must start with a user message")}
     assert engine.requests == []
+
+
+@pytest.fixture
+def release_hung_calls():
+    """Ends, after the test, the environment calls it left hanging in their threads."""
+    from tests.agents.environments import RELEASE
+
+    RELEASE.clear()
+    yield
+    RELEASE.set()
+
+
+@pytest.mark.parametrize("environment,call", [("HangsInReset", "reset()"), ("HangsInStep", "step() of turn 1")])
+def test_an_environment_call_that_never_returns_fails_the_step_in_bounded_time(serve, release_hung_calls,
+                                                                               environment, call):
+    import time
+
+    from kuberl.agents.environment import AgentError
+    from kuberl.agents.episodes import AgentRollout
+
+    spec = make_spec().model_copy(deep=True)
+    spec.agent.environment = f"tests.agents.environments:{environment}"
+    base_url, episodes, _ = serve(spec)
+    rollout = AgentRollout(spec, base_url=base_url, model=MODEL, episodes=episodes)
+    rollout.step_timeout_s = 1
+    started = time.monotonic()
+    with pytest.raises(AgentError, match=re.escape(
+            f"tests.agents.environments:{environment} (prompt 0, episode 0): {call} did not return within 1 s "
+            f"(spec.agent.stepTimeoutSeconds, the bound on each call of the environment's code)")):
+        rollout.generate(prompts()[:1], group_size=2, seed=0)
+    assert time.monotonic() - started < 10
+
+
+def test_an_episode_reward_beyond_the_bound_is_an_error(serve):
+    from kuberl.agents.environment import AgentError
+    from kuberl.agents.episodes import AgentRollout
+
+    spec = make_spec().model_copy(deep=True)
+    spec.agent.environment = "tests.agents.environments:LargeSum"
+    base_url, episodes, _ = serve(spec)
+    rollout = AgentRollout(spec, base_url=base_url, model=MODEL, episodes=episodes)
+    with pytest.raises(AgentError, match=re.escape("(prompt 0, episode 0): the episode's reward (the sum of its "
+                                                   "steps') is 1.2e+06, beyond the bound |reward| <= 1e+06")):
+        rollout.episode(prompts()[0], 0, 0, seed=0)
+
+
+def _leaky_harness_spec(pid_file, mode: str, timeout_seconds: int):
+    import sys
+    from pathlib import Path
+
+    spec = make_spec().model_copy(deep=True)
+    spec.agent.environment = None
+    spec.agent.harness = AgentHarnessSpec(command=[sys.executable, str(Path(__file__).with_name("leaky_harness.py")),
+                                                   str(pid_file), mode], timeout_seconds=timeout_seconds)
+    return spec
+
+
+def test_a_harness_that_exits_has_what_it_left_running_killed(serve, tmp_path):
+    """The harness leaves `sleep 600` holding its stdout. The episode ends when the harness does
+    (reading a pipe to its end would wait for the sleeper), and the sleeper is killed with it."""
+    import time
+
+    from kuberl.agents.episodes import AgentRollout
+    from tests.processes import running
+
+    spec = _leaky_harness_spec(tmp_path / "pid", "exit", timeout_seconds=60)
+    base_url, episodes, _ = serve(spec)
+    rollout = AgentRollout(spec, base_url=base_url, model=MODEL, episodes=episodes)
+    started = time.monotonic()
+    sample = rollout.episode(prompts()[0], 0, 0, seed=0)
+    assert sample.reward == 0.5 and sample.metadata["turns"] == 1
+    assert time.monotonic() - started < 30
+    assert running([int((tmp_path / "pid").read_text())]) == []
+
+
+def test_a_harness_that_times_out_is_killed_with_its_process_group(serve, tmp_path):
+    import time
+
+    from kuberl.agents.environment import AgentError
+    from kuberl.agents.episodes import AgentRollout
+    from tests.processes import running
+
+    spec = _leaky_harness_spec(tmp_path / "pid", "hang", timeout_seconds=5)
+    base_url, episodes, _ = serve(spec)
+    rollout = AgentRollout(spec, base_url=base_url, model=MODEL, episodes=episodes)
+    started = time.monotonic()
+    with pytest.raises(AgentError, match=re.escape("(prompt 0, episode 0): the harness ran past "
+                                                   "spec.agent.harness.timeoutSeconds (5); it and every process it "
+                                                   "started were killed")):
+        rollout.episode(prompts()[0], 0, 0, seed=0)
+    assert time.monotonic() - started < 15
+    assert running([int((tmp_path / "pid").read_text())]) == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from kuberl.agents.calculator import Calculator, evaluate
@@ -84,11 +85,38 @@ def test_reset_may_return_a_chat_a_string_or_gymnasium_pair():
 def test_step_may_return_a_step_or_gymnasium_five_tuple():
     assert as_step(("obs", 1, False, False, {}), "env") == Step("obs", 1.0, False)
     assert as_step((None, 0.5, False, True, {}), "env") == Step(None, 0.5, True)  # truncated ends it
-    with pytest.raises(AgentError, match="env: step\\(\\) reward 'high' is not a number"):
+    assert as_step(("obs", np.float32(0.5), False, False, {}), "env").reward == 0.5  # numpy's scalars are numbers
+    with pytest.raises(AgentError, match=r"env: step\(\)'s reward is 'high' \(str\), not a number"):
         as_step(Step("o", "high"), "env")
+    with pytest.raises(AgentError, match=r"env: step\(\)'s reward is '1e3' \(str\), not a number"):
+        as_step(Step("o", "1e3"), "env")
+    with pytest.raises(AgentError, match=r"env: step\(\)'s reward is True \(bool\), not a number"):
+        as_step(("obs", True, False, False, {}), "env")
     with pytest.raises(AgentError, match="not finite"):
         as_step(Step("o", math.nan), "env")
+    with pytest.raises(AgentError, match=r"reward is 1e\+19, beyond the bound \|reward\| <= 1e\+06"):
+        as_step(Step("o", 1e19), "env")
     with pytest.raises(AgentError, match="done=False without a string observation"):
         as_step(Step(None, 0.0, False), "env")
     with pytest.raises(AgentError, match="must return a Step"):
         as_step({"reward": 1}, "env")
+
+
+def test_an_agent_failure_goes_to_the_job_status_as_agent_failed():
+    """A hung or failing environment or harness is the job's own input: status.workloadError says
+    so (the operator then fails the job instead of restarting it into the same episodes)."""
+    from kuberl.train.report import StatusReporter, user_errors_reported
+
+    class Recording(StatusReporter):
+        patches: list[dict] = []
+
+        def _patch(self, status):
+            self.patches.append(status)
+
+    reporter = Recording()
+    message = "spec.agent.environment (prompt 0, episode 1): step() of turn 1 did not return within 300 s"
+    with pytest.raises(AgentError), user_errors_reported(reporter, attempt=2):
+        raise AgentError(message)
+    (patch,) = reporter.patches
+    assert patch["workloadError"] | {"time": None} == {"attempt": 2, "reason": "AgentFailed", "message": message,
+                                                       "time": None}

@@ -27,3 +27,21 @@ def concurrent_length_shaped(batch):
 
 def wrong_count(batch):
     return [0.0] * (len(batch) - 1)
+
+
+def hang_or_fail(batch):
+    """A verifier that hangs or fails on the samples extra_info marks. Marked "hang": it notes its
+    process id in extra_info's pid_dir and sleeps an hour. Marked "fail": it raises once a hung
+    call has noted its pid (up to BARRIER_SECONDS), so the hung one is running when the step fails.
+    Unmarked: 0."""
+    marks = {x.extra_info.get("mark") for x in batch}
+    pid_dir = Path(batch[0].extra_info["pid_dir"])
+    if "hang" in marks:
+        (pid_dir / str(os.getpid())).write_text("hung\n")
+        time.sleep(3600)
+    if "fail" in marks:
+        deadline = time.monotonic() + BARRIER_SECONDS
+        while not any(pid_dir.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise RuntimeError("the verifier is down")
+    return [0.0] * len(batch)

@@ -116,3 +116,15 @@ def test_rloo_and_dr_grpo_advantages_reach_the_trainer(tmp_path):
         driver, _, trainer = _driver(tmp_path / name, {"name": name}, Rewards([1.0, 1.0, 0.0, 1.0]))
         driver.train_step(0)
         assert [s.advantage for s in trainer.batches[0].samples] == pytest.approx(want), name
+
+
+def test_non_finite_advantages_stop_the_step_before_any_update(tmp_path):
+    """Rewards are checked where they are made (finite, |r| <= 1e6); the stand-in here hands two
+    1e308s straight to the driver, whose group mean overflows: GRPO's advantages are NaN. The step
+    ends naming the step, the group and its prompt, and nothing reaches the trainer."""
+    driver, _, trainer = _driver(tmp_path, {"name": "grpo"}, Rewards([1e308, 1e308, 0.0, 1.0]))
+    with pytest.raises(FloatingPointError, match=r"^step 0: the grpo advantage of a sample of group 0 is nan "
+                                                 r"\(prompt '.+', the group's rewards \[1e\+308, 1e\+308\]\); "
+                                                 r"no update was made$"):
+        driver.train_step(0)
+    assert trainer.batches == []

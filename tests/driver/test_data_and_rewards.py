@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -12,8 +13,8 @@ import yaml
 from kuberl.api.types import RewardSpec, RLTrainingJobSpec
 from kuberl.train.data import (DataError, PromptStream, check_prompt_lengths, load_for_spec, load_prompts,
                               steps_for_epochs)
-from kuberl.train.rewards import (RewardError, RewardInput, gsm8k_flexible, gsm8k_strict, load_reward, repeat_letter,
-                                  score)
+from kuberl.train.rewards import (MAX_ABS_REWARD, RewardError, RewardInput, gsm8k_flexible, gsm8k_strict, load_reward,
+                                  repeat_letter, score)
 
 
 def _jsonl(path, rows):
@@ -91,13 +92,31 @@ def test_reward_function_by_import_path():
 
 
 @pytest.mark.parametrize("returned,needle", [
-    ([1.0], "returned 1 rewards for 2 inputs"),
-    ([1.0, "high"], "reward 1 is 'high', not a number"),
+    ([1.0], r"^spec.reward.function m:f returned 1 rewards for 2 inputs \(samples 0-1\)$"),
+    ([1.0, "high"], r"^spec.reward.function m:f: reward 1 is 'high' \(str\), not a number"),
+    # A number as text is refused too, not read as 1000: parsing is the function's job.
+    ([1.0, "1e3"], r"^spec.reward.function m:f: reward 1 is '1e3' \(str\), not a number"),
+    # A bool is a predicate where a score was meant (and numpy's is no int): float(ok) says so.
+    ([True, 0.0], r"reward 0 is True \(bool\), not a number: .*a bool needs float\(\.\.\.\)"),
+    ([np.bool_(False), 0.0], r"reward 0 is False \(bool\)"),
     ([1.0, float("nan")], "reward 1 is nan, not finite"),
+    ([float("-inf"), 1.0], "reward 0 is -inf, not finite"),
+    # Beyond the magnitude bound: 1e308 made NaN advantages, 1e19 silently zero ones.
+    ([1e308, 1.0], r"reward 0 is 1e\+308, beyond the bound \|reward\| <= 1e\+06"),
+    ([1.0, -1e19], r"reward 1 is -1e\+19, beyond the bound"),
+    ([10**400, 1.0], "reward 0 is an int past float's range, beyond the bound"),
 ])
 def test_reward_results_are_checked(returned, needle):
     with pytest.raises(RewardError, match=needle):
-        score(lambda batch: returned, _inputs(["r", "s"], [None, None]))
+        score(lambda batch: returned, _inputs(["r", "s"], [None, None]), name="spec.reward.function m:f")
+
+
+def test_rewards_may_be_ints_and_numpy_or_torch_scalars_up_to_the_bound():
+    import torch
+
+    rewards = score(lambda batch: [1, np.float32(0.5), torch.tensor(-0.25), MAX_ABS_REWARD],
+                    _inputs(["a", "b", "c", "d"], [None] * 4))
+    assert rewards == [1.0, 0.5, -0.25, 1e6] and all(type(r) is float for r in rewards)
 
 
 def test_chat_prompts_nested_answers_template_and_system_prompt(tmp_path):
@@ -304,3 +323,40 @@ def test_a_data_symlink_leading_out_is_refused(tmp_path):
     _jsonl(tmp_path / "secret.jsonl", [{"prompt": "token", "answer": "x"}])
     (data / "b.jsonl").symlink_to("../secret.jsonl")
     _refused_everywhere(tmp_path, data, [f"refusing {data / 'b.jsonl'}: it is a symlink", "leading out of the source"])
+
+
+def _documented_rewards(**provided) -> dict:
+    """The Python blocks of docs/rewards.md, run as written (``provided`` stands in for what a
+    block calls but does not define, as a job's own module would)."""
+    import re
+    import textwrap
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "rewards.md").read_text()
+    namespace = dict(provided)
+    for indent, code in re.findall(r"^( *)```python\n(.*?)^\1```", doc, flags=re.M | re.S):
+        exec(compile(textwrap.dedent(code), "docs/rewards.md", "exec"), namespace)
+    return namespace
+
+
+def test_the_documented_reward_functions_score_as_the_page_says():
+    # A judge's verdicts, in place of the judge model the example calls.
+    verdicts = {"good": "7/10", "bad": "none"}
+    documented = _documented_rewards(ask_judge=lambda prompt, response: verdicts[response])
+    batch = _inputs(["Answer: 42", "I think 41. Answer: 42", "Answer: 41"], ["42", 42, "42"])
+    assert score(documented["exact_answer"], batch) == [1.0, 1.0, 0.0]
+    graded = [RewardInput(prompt="", response="it is 42", answer=42),
+              RewardInput(prompt="", response="it is 4", answer=42, finish_reason="length"),
+              RewardInput(prompt="", response="42", answer="42", data_source="bonus")]
+    assert score(documented["graded"], graded) == [1.0, -0.5, 2.0]
+    assert score(documented["judged"], _inputs(["good", "bad"], [None, None])) == [0.7, 0.0]
+
+
+def test_the_documented_error_is_the_one_a_string_reward_gets():
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "rewards.md").read_text()
+    with pytest.raises(RewardError) as error:
+        score(lambda batch: [0.0] * 5 + ["1e3"], _inputs(["r"] * 6, [None] * 6),
+              name="spec.reward.function my_rewards:exact_answer")
+    assert f"```\n{error.value}\n```" in doc

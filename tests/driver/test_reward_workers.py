@@ -1,13 +1,18 @@
 """Batch rewards in parallel Ray tasks (``RewardWorkers``), on the session's local Ray: a function
 taking extra_info and token lengths, its shares scored at the same time in separate processes
-(a barrier in the function proves it, not a timing), results in input order."""
+(a barrier in the function proves it, not a timing), results in input order; a function that
+hangs or fails has its other workers' processes killed."""
 
 from __future__ import annotations
+
+import time
+from pathlib import Path
 
 import pytest
 
 from kuberl.api.types import RewardSpec
 from kuberl.train.rewards import RewardError, RewardInput, RewardWorkers
+from tests.processes import running
 
 pytest.importorskip("ray")
 
@@ -35,5 +40,43 @@ def test_bad_reward_function_fails_at_start_or_names_the_samples(ray_session):
     with pytest.raises(RewardError, match="has no function 'nope'"):
         RewardWorkers(RewardSpec(function="tests.driver.reward_fixtures:nope"))
     workers = RewardWorkers(RewardSpec(function="tests.driver.reward_fixtures:wrong_count", workers=2))
-    with pytest.raises(RewardError, match=r"^reward function returned 7 rewards for 8 inputs \(samples 0-7\)$"):
+    # Both shares are wrong; the step fails on the first to come back, whichever that is.
+    with pytest.raises(RewardError, match=r"^spec.reward.function tests.driver.reward_fixtures:wrong_count returned "
+                                          r"7 rewards for 8 inputs \(samples (0-7|8-15)\)$"):
         workers(_batch())
+
+
+def _hung_pids(pid_dir: Path) -> list[int]:
+    return [int(p.name) for p in pid_dir.iterdir()]
+
+
+def test_a_hung_reward_function_times_out_naming_it_and_its_worker_is_killed(ray_session, tmp_path):
+    workers = RewardWorkers(RewardSpec(function="tests.driver.reward_fixtures:hang_or_fail", workers=2,
+                                       cpus_per_worker=0.5))
+    workers.timeout_s = 20  # long enough for Ray to start both workers on a loaded machine
+    batch = _batch(str(tmp_path))
+    for x in batch[8:]:
+        x.extra_info["mark"] = "hang"
+    started = time.monotonic()
+    with pytest.raises(RewardError, match=r"^spec.reward.function tests.driver.reward_fixtures:hang_or_fail did not "
+                                          r"return within 20 s \(spec.reward.timeoutSeconds, the bound on a step's "
+                                          r"reward calls\) for samples 8-15; its workers were killed$"):
+        workers(batch)
+    assert time.monotonic() - started < 20 + 10
+    assert len(list(tmp_path.iterdir())) == 1, "the hung share had not started: raise timeout_s"
+    assert running(_hung_pids(tmp_path)) == []
+
+
+def test_a_failed_share_fails_the_step_at_once_and_kills_the_hung_one(ray_session, tmp_path):
+    workers = RewardWorkers(RewardSpec(function="tests.driver.reward_fixtures:hang_or_fail", workers=2,
+                                       cpus_per_worker=0.5))
+    batch = _batch(str(tmp_path))
+    for i, x in enumerate(batch):
+        x.extra_info["mark"] = "hang" if i < 8 else "fail"
+    started = time.monotonic()
+    with pytest.raises(RewardError, match=r"^spec.reward.function tests.driver.reward_fixtures:hang_or_fail failed: "
+                                          r"RuntimeError\('the verifier is down'\)$"):
+        workers(batch)  # not after the 600 s the hung share has
+    assert time.monotonic() - started < 120
+    assert len(list(tmp_path.iterdir())) == 1
+    assert running(_hung_pids(tmp_path)) == []

@@ -100,6 +100,6 @@ def test_kuberl_train_reports_a_missing_environment_class_before_ray_engines_or_
         train.run(job, plans.local(job, tmp_path / "work", attempt=2))
     assert not ray.is_initialized()
     ((attempt, reason, message),) = reporter.failures
-    assert (attempt, reason) == (2, "AgentEnvironmentFailed")
+    assert (attempt, reason) == (2, "AgentFailed")
     assert message.startswith("spec.agent.environment: cannot import 'my_envs.search'")
     assert "install the module in the worker image or fix the module path" in message

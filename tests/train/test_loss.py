@@ -68,3 +68,16 @@ def test_group_advantages():
 def test_group_advantages_rejects_mismatched_lengths():
     with pytest.raises(ValueError, match="same length"):
         group_advantages([1.0, 2.0], [0])
+
+
+def test_group_advantages_accumulate_in_float64():
+    """In float32 the squares of the variance overflowed from |r| of about 1e19: the std became inf
+    and every advantage of the group silently 0. Rewards are bounded far below (MAX_ABS_REWARD), and
+    the arithmetic keeps its range and its digits wherever they come from."""
+    from kuberl.train.loss import group_centred
+
+    adv = group_advantages([0.0, 4e19, 1e6 + 1.0, 1e6 - 1.0], [0, 0, 1, 1])
+    assert adv.dtype == torch.float64
+    assert adv.tolist() == pytest.approx([-math.sqrt(0.5), math.sqrt(0.5), math.sqrt(0.5), -math.sqrt(0.5)])
+    centred, size = group_centred([1e6 + 0.25, 1e6 - 0.25], [0, 0])
+    assert centred.tolist() == [0.25, -0.25] and size.dtype == torch.float64  # float32 rounds both to 0

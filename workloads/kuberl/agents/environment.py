@@ -11,17 +11,18 @@ The shape is gymnasium's and skyrl-gym's, over text::
 ``step`` may also return gymnasium's tuple ``(observation, reward, terminated, truncated, info)``,
 and ``reset`` gymnasium's ``(observation, info)``. The class is named by import path,
 ``module.path:Class`` like ``spec.reward.function``, and made with no arguments, once per episode.
-An episode's reward is the sum of its steps' rewards.
+An episode's reward is the sum of its steps' rewards; each step's reward, and the sum, is a number
+as ``kuberl.train.rewards.as_reward`` says (not a string or a bool, finite, bounded).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from kuberl.train.data import ROLES
 from kuberl.usercode import resolve
+from kuberl.train.rewards import as_reward
 
 
 class AgentError(ValueError):
@@ -99,12 +100,7 @@ def as_step(value: Any, where: str) -> Step:
     if not isinstance(value, Step):
         raise AgentError(f"{where}: step() must return a Step or gymnasium's (observation, reward, "
                          f"terminated, truncated, info), got {type(value).__name__}")
-    try:
-        reward = float(value.reward)
-    except (TypeError, ValueError):
-        raise AgentError(f"{where}: step() reward {value.reward!r} is not a number") from None
-    if not math.isfinite(reward):
-        raise AgentError(f"{where}: step() reward is {reward}, not finite")
+    reward = as_reward(value.reward, f"{where}: step()'s reward", AgentError)
     if not value.done and not isinstance(value.observation, str):
         raise AgentError(f"{where}: step() returned done=False without a string observation for the "
                          f"model's next turn")

@@ -8,10 +8,12 @@ a seed per episode, ``agent.maxTokensPerTurn``), and plays one of the two forms 
   here is an Anthropic Messages client: the model's reply comes from ``POST /v1/messages``, ``step``
   turns it into an observation (a tool's output) that goes back as the next user message, until the
   environment says done, ``maxTurns`` replies were made or the context is full. The reward is the
-  sum of the steps' rewards.
+  sum of the steps' rewards. Each call of the environment's code (the class, ``reset``, ``step``)
+  has ``STEP_TIMEOUT_S``; one that runs past it fails the step (``bounded_call``).
 - ``harness``: any program, run once per episode with the endpoint's address and the episode key
   as its Anthropic and OpenAI API settings and the task as JSON on stdin; it talks to the endpoint
-  as it likes and prints ``{"reward": ...}`` as its last line of output.
+  as it likes and prints ``{"reward": ...}`` as its last line of output. It runs in a process group
+  of its own, killed whole when it exits or times out (``wait_then_kill_group``).
 
 Either way the endpoint recorded every turn in tokens, and ``episode_to_sample`` makes them one
 sample whose loss mask is 1 on the model's tokens only.
@@ -21,12 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import random
+import signal
 import subprocess
+import tempfile
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import httpx
 
@@ -35,10 +40,18 @@ from kuberl.rollout.server import NO_ROOM
 from kuberl.rollout.transitions import EpisodeLog, EpisodeSampling, episode_to_sample
 from kuberl.samples import Sample
 from kuberl.train.data import Prompt
+from kuberl.train.rewards import as_reward
 
 ANTHROPIC_VERSION = "2023-06-01"
 # A CPU engine under a full step's episodes answers slowly; a turn that takes longer is a fault.
 TURN_TIMEOUT_S = 600.0
+# How long one call of the environment form's code (making the class, reset, one step) may take,
+# in seconds: the default of spec.agent.stepTimeoutSeconds once the API carries it. A tool that
+# runs code or a test suite takes seconds to minutes; one that takes longer is hung. With the
+# turn's bound and maxTurns this bounds a whole episode.
+STEP_TIMEOUT_S = 300.0
+# How often a harness is checked for having exited.
+HARNESS_POLL_S = 0.05
 # What a harness inherits from the driver's environment: enough to run a program, none of the
 # job's credentials (checkpoint storage, trackers).
 HARNESS_INHERITS = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR")
@@ -47,6 +60,58 @@ HARNESS_INHERITS = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV
 def episode_seed(seed: int, group: int, member: int) -> int:
     """A pure function of (step seed, episode): a resumed run samples the same episodes."""
     return random.Random(f"agent/{seed}/{group}/{member}").randrange(2**31)
+
+
+def bounded_call(fn: Callable[..., Any], *args: Any, timeout_s: float, what: str) -> Any:
+    """``fn(*args)``, or an ``AgentError`` naming ``what`` once it has run ``timeout_s`` seconds.
+
+    The environment is Python in the driver's process, and a thread cannot be killed: the call
+    runs in a daemon thread of its own, and past the bound the episode stops waiting for it. The
+    step fails and the run with it, and the process exits: a daemon thread holds no one up (a
+    ``ThreadPoolExecutor``'s threads are joined at exit, so a hung call there would hang that).
+    """
+    outcome: list[Any] = []
+
+    def call() -> None:
+        try:
+            outcome.append((True, fn(*args)))
+        except BaseException as exc:  # re-raised in the episode's thread, as if called there
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=call, name=f"kuberl-env {what}"[:60], daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        raise AgentError(f"{what} did not return within {timeout_s:g} s (spec.agent.stepTimeoutSeconds, the "
+                         f"bound on each call of the environment's code); the step fails, not to hang the run")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def wait_then_kill_group(process: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait for ``process`` (started with ``start_new_session=True``, so it leads a process group
+    of its own) to exit, ``timeout_s`` at most; then kill the whole group, whatever the process
+    started and left running, and reap it. True if it exited in time.
+
+    The group is killed before the leader is reaped: an exited but unreaped leader keeps its
+    pid, the group's id, from being reused, so the kill reaches the harness's processes only. A
+    process that left the group on purpose (``setsid``) is not followed."""
+    def has_exited() -> bool:  # WNOWAIT: seen, not reaped
+        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+    deadline = time.monotonic() + timeout_s
+    exited = has_exited()
+    while not exited and time.monotonic() < deadline:
+        time.sleep(HARNESS_POLL_S)
+        exited = has_exited()
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is gone already
+        pass
+    process.wait()
+    return exited
 
 
 def task_json(prompt: Prompt, seed: int, max_tokens: int) -> str:
@@ -66,14 +131,19 @@ class AgentRollout:
         self.sampling = EpisodeSampling(temperature=algorithm.temperature, top_p=algorithm.top_p,
                                         top_k=algorithm.top_k, stop=tuple(algorithm.stop), max_tokens=self.max_tokens)
         self.environment = load_environment(self.agent.environment) if self.agent.environment else None
+        self.step_timeout_s = STEP_TIMEOUT_S  # spec.agent.stepTimeoutSeconds once the API carries it
         self.base_url, self.model, self.episodes = base_url, model, episodes
 
     def generate(self, prompts: Sequence[Prompt], group_size: int, seed: int) -> list[list[Sample]]:
         """``group_size`` episode samples per prompt, in prompt order; ``Sample.group`` is the
         prompt's index and ``Sample.reward`` the episode's reward."""
         jobs = [(prompt, group, member) for group, prompt in enumerate(prompts) for member in range(group_size)]
-        with ThreadPoolExecutor(max_workers=min(self.agent.concurrency, len(jobs))) as pool:
+        pool = ThreadPoolExecutor(max_workers=min(self.agent.concurrency, len(jobs)))
+        try:
             samples = list(pool.map(lambda job: self.episode(*job, seed=seed), jobs))
+        finally:
+            # After a failed episode the step fails: the episodes not started yet never start.
+            pool.shutdown(wait=True, cancel_futures=True)
         return [samples[i:i + group_size] for i in range(0, len(samples), group_size)]
 
     def episode(self, prompt: Prompt, group: int, member: int, *, seed: int) -> Sample:
@@ -106,9 +176,12 @@ class AgentRollout:
     # --- the environment form ----------------------------------------------------------------
 
     def _play(self, client: httpx.Client, prompt: Prompt, key: str, seed: int, where: str) -> tuple[float, dict]:
-        env = self.environment()
-        chat = first_chat(env.reset(Task(prompt.messages, prompt.answer, prompt.data_source, prompt.extra_info,
-                                         seed=seed)), where)
+        def bounded(fn: Callable[..., Any], *args: Any, what: str) -> Any:
+            return bounded_call(fn, *args, timeout_s=self.step_timeout_s, what=f"{where}: {what}")
+
+        env = bounded(self.environment, what=f"{self.environment.__name__}()")
+        task = Task(prompt.messages, prompt.answer, prompt.data_source, prompt.extra_info, seed=seed)
+        chat = first_chat(bounded(env.reset, task, what="reset()"), where)
         reward, replies, truncated = 0.0, 0, False
         while True:
             reply = self._reply(client, key, chat, where)
@@ -116,7 +189,7 @@ class AgentRollout:
                 truncated = True
                 break
             replies += 1
-            step = as_step(env.step(reply), where)
+            step = as_step(bounded(env.step, reply, what=f"step() of turn {replies}"), where)
             reward += step.reward
             if step.done:
                 break
@@ -124,7 +197,8 @@ class AgentRollout:
                 truncated = True
                 break
             chat += [{"role": "assistant", "content": reply}, {"role": "user", "content": step.observation}]
-        return reward, {"replies": replies, "truncated": truncated}
+        return as_reward(reward, f"{where}: the episode's reward (the sum of its steps')", AgentError), {
+            "replies": replies, "truncated": truncated}
 
     def _reply(self, client: httpx.Client, key: str, chat: list[dict[str, str]], where: str) -> str | None:
         """The model's next reply, or None when the episode has no room left in the context. The
@@ -153,28 +227,38 @@ class AgentRollout:
         env = {name: os.environ[name] for name in HARNESS_INHERITS if name in os.environ}
         env.update(ANTHROPIC_BASE_URL=self.base_url, ANTHROPIC_API_KEY=key, OPENAI_BASE_URL=f"{self.base_url}/v1",
                    OPENAI_API_KEY=key, KUBERL_MODEL=self.model)
-        try:
-            done = subprocess.run(harness.command, input=task_json(prompt, seed, self.max_tokens), env=env,
-                                  capture_output=True, text=True, timeout=harness.timeout_seconds)
-        except FileNotFoundError:
-            raise AgentError(f"spec.agent.harness.command: {harness.command[0]!r} is not in the image "
-                             f"(PATH={env.get('PATH', '')})") from None
-        except subprocess.TimeoutExpired:
+        # Files, not pipes: a process the harness leaves running may hold its stdout open, and
+        # reading a pipe to its end would wait for that process, not for the harness.
+        with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as stdout, \
+                tempfile.TemporaryFile() as stderr:
+            stdin.write(task_json(prompt, seed, self.max_tokens).encode())
+            stdin.seek(0)
+            try:
+                process = subprocess.Popen(harness.command, stdin=stdin, stdout=stdout, stderr=stderr, env=env,
+                                           start_new_session=True)
+            except FileNotFoundError:
+                raise AgentError(f"spec.agent.harness.command: {harness.command[0]!r} is not in the image "
+                                 f"(PATH={env.get('PATH', '')})") from None
+            except OSError as exc:  # not executable, a directory
+                raise AgentError(f"spec.agent.harness.command: cannot run {harness.command[0]!r}: "
+                                 f"{exc.strerror}") from None
+            exited = wait_then_kill_group(process, harness.timeout_seconds)
+            stdout.seek(0)
+            stderr.seek(0)
+            out, err = (f.read().decode(errors="replace") for f in (stdout, stderr))
+        if not exited:
             raise AgentError(f"{where}: the harness ran past spec.agent.harness.timeoutSeconds "
-                             f"({harness.timeout_seconds})") from None
-        if done.returncode != 0:
-            raise AgentError(f"{where}: the harness exited {done.returncode}; its stderr ends:\n"
-                             f"{done.stderr[-2000:]}")
-        return _harness_reward(done.stdout, where), {}
+                             f"({harness.timeout_seconds}); it and every process it started were killed")
+        if process.returncode != 0:
+            raise AgentError(f"{where}: the harness exited {process.returncode}; its stderr ends:\n{err[-2000:]}")
+        return _harness_reward(out, where), {}
 
 
 def _harness_reward(stdout: str, where: str) -> float:
     lines = [line for line in stdout.splitlines() if line.strip()]
     try:
-        reward = float(json.loads(lines[-1])["reward"])
+        reward = json.loads(lines[-1])["reward"]
     except (IndexError, ValueError, TypeError, KeyError):
         raise AgentError(f'{where}: the harness must print {{"reward": <number>}} as its last line of '
                          f"output; it ended with {lines[-1][:200] if lines else 'nothing'!r}") from None
-    if not math.isfinite(reward):
-        raise AgentError(f"{where}: the harness's reward is {reward}, not finite")
-    return reward
+    return as_reward(reward, f"{where}: the harness's reward", AgentError)

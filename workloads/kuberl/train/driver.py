@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import random
 import signal
 import threading
@@ -84,6 +85,20 @@ def engine_logprobs(samples: Sequence[Sample]) -> list[list[float]]:
         raise ValueError(f"algorithm.asyncRollout: samples {missing[:8]} came without the engines' "
                          f"log-probs, which the importance ratio needs")
     return [list(s.response_logprobs) for s in samples]
+
+
+def check_advantages(step: int, algorithm: str, samples: Sequence[Sample], advantages: Sequence[float]) -> None:
+    """Refuse a non-finite advantage before any update: one NaN or inf makes the step's loss and
+    every weight it touches NaN, and the run trains on garbage from then on. Rewards are checked
+    where they are made (finite, bounded: ``kuberl.train.rewards.as_reward``), so this is the
+    algorithm's fault, named with the group and its rewards."""
+    for sample, advantage in zip(samples, advantages, strict=True):
+        if not math.isfinite(advantage):
+            group = [s for s in samples if s.group == sample.group]
+            raise FloatingPointError(
+                f"step {step}: the {algorithm} advantage of a sample of group {sample.group} is {advantage} "
+                f"(prompt {sample.prompt_text[:80]!r}, the group's rewards {[s.reward for s in group]}); "
+                f"no update was made")
 
 
 def _done(rollout: Rollout) -> Future:
@@ -309,7 +324,7 @@ class GRPODriver:
                                                else _done(self.rollout(action.step)))
             elif isinstance(action, schedule.Train):
                 samples, task_rewards, rollout_metrics = self._rollouts.pop(action.step).result()
-                metrics = self._update(samples)
+                metrics = self._update(action.step, samples)
                 # How many steps (weight versions) the trainer is ahead of the weights that
                 # generated the oldest sample: 0 synchronous, at most 1 asynchronous.
                 staleness = self.weight_version - min(s.weight_version for s in samples)
@@ -333,16 +348,17 @@ class GRPODriver:
             metrics["checkpoint_stall_seconds"], self._checkpoint_stall = self._checkpoint_stall, None
         return StepResult(step, metrics["reward_mean"], metrics, rewards.tolist())
 
-    def _update(self, samples: list[Sample]) -> dict[str, float]:
+    def _update(self, step: int, samples: list[Sample]) -> dict[str, float]:
         """Advantages, the log-probs the algorithm needs, and the policy updates on one rollout."""
         import torch
 
+        advantages = self.algorithm.advantages(torch.tensor([s.reward for s in samples], dtype=torch.float64),
+                                               torch.tensor([s.group for s in samples]))
+        check_advantages(step, self.algorithm.name, samples, advantages.tolist())
         colocated = self.plan.topology.colocated
         if colocated:
             with self._phase("sleep"):
                 self.engines.sleep()  # the trainer ranks get the GPUs' memory while they step
-        advantages = self.algorithm.advantages(torch.tensor([s.reward for s in samples], dtype=torch.float64),
-                                               torch.tensor([s.group for s in samples]))
         for sample, advantage in zip(samples, advantages.tolist(), strict=True):
             sample.advantage = advantage
         batch = TrainBatch(samples)

@@ -75,21 +75,24 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 def _grouped(rewards: torch.Tensor | list[float], group_ids: torch.Tensor | list[int]
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``r - mean_group`` (float32), each sample's group index and each group's size (float32)."""
-    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    """``r - mean_group``, each sample's group index and each group's size, all in float64: in
+    float32 the squares of GRPO's variance overflow from |r| of about 1e19 (the std becomes inf
+    and every advantage of the group silently 0), and a large common offset cancels the digits
+    that tell the group's rewards apart."""
+    rewards = torch.as_tensor(rewards, dtype=torch.float64)
     group_ids = torch.as_tensor(group_ids)
     if rewards.shape != group_ids.shape or rewards.dim() != 1:
         raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} "
                          f"must be 1-D and of the same length")
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    counts_f = counts.to(torch.float32)
-    sums = torch.zeros(counts.numel()).index_add_(0, inverse, rewards)
+    counts_f = counts.to(torch.float64)
+    sums = torch.zeros(counts.numel(), dtype=torch.float64).index_add_(0, inverse, rewards)
     return rewards - (sums / counts_f)[inverse], inverse, counts_f
 
 
 def group_centred(rewards: torch.Tensor | list[float], group_ids: torch.Tensor | list[int]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``r - mean_group`` and each sample's group size, float32; samples of a group share
+    """``r - mean_group`` and each sample's group size, float64; samples of a group share
     ``group_ids`` (dr-grpo's advantage; rloo's scales it by the group size)."""
     centred, inverse, counts = _grouped(rewards, group_ids)
     return centred, counts[inverse]
@@ -98,8 +101,8 @@ def group_centred(rewards: torch.Tensor | list[float], group_ids: torch.Tensor |
 def group_advantages(rewards: torch.Tensor | list[float], group_ids: torch.Tensor | list[int],
                      eps: float = 1e-6) -> torch.Tensor:
     """GRPO advantages: ``(r - mean_group) / (std_group + eps)``, std unbiased (n - 1), as in the
-    GRPO paper's implementations; a group of one sample gets std 0 (advantage 0)."""
+    GRPO paper's implementations; a group of one sample gets std 0 (advantage 0). Float64."""
     centred, inverse, counts = _grouped(rewards, group_ids)
-    sq = torch.zeros(counts.numel()).index_add_(0, inverse, centred * centred)
+    sq = torch.zeros(counts.numel(), dtype=torch.float64).index_add_(0, inverse, centred * centred)
     std = torch.where(counts > 1, (sq / (counts - 1).clamp(min=1)).sqrt(), torch.zeros_like(counts))
     return centred / (std[inverse] + eps)

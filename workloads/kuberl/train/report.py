@@ -148,9 +148,11 @@ def reporter_from_env(env: dict[str, str] | None = None, service_account: Path =
 
 @contextlib.contextmanager
 def user_errors_reported(reporter: StatusReporter, attempt: int) -> Iterator[None]:
-    """Errors in the job's own input found only while training (a reward function that raises or
-    returns no number, data that does not parse) go to status.workloadError before they end the
-    run: the operator then fails the job naming them, where a restart would only repeat them."""
+    """Errors in the job's own input found only while training (a reward function that raises,
+    hangs or returns no number, an agent's environment or harness that fails or hangs, data that
+    does not parse) go to status.workloadError before they end the run: the operator then fails
+    the job naming them, where a restart would only repeat them (a resumed run replays the same
+    episodes and rewards)."""
     from kuberl.agents.environment import AgentError
     from kuberl.train.data import DataError
     from kuberl.train.rewards import RewardError
@@ -162,6 +164,6 @@ def user_errors_reported(reporter: StatusReporter, attempt: int) -> Iterator[Non
         # the RayJob, the operator quotes it): the exception goes on redacted as well.
         exc.args = (redact_secrets(str(exc)),)
         reason = ("RewardFunctionFailed" if isinstance(exc, RewardError)
-                  else "AgentEnvironmentFailed" if isinstance(exc, AgentError) else "DataInvalid")
+                  else "AgentFailed" if isinstance(exc, AgentError) else "DataInvalid")
         reporter.failed(attempt, reason, str(exc))
         raise

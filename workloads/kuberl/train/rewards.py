@@ -6,16 +6,21 @@ The batch reward interface (docs/rewards.md)::
     def my_reward(batch: list[RewardInput]) -> list[float]: ...
 
 One call gets a contiguous share of the step's samples (``spec.reward.workers`` shares, each in
-its own Ray task reserving ``spec.reward.cpusPerWorker`` CPUs) and returns one finite float per
-input, in order. Each ``RewardInput`` carries the prompt, the response, the reference answer, the
-row's ``data_source`` and ``extra_info``, and the prompt/response token lengths (overlong
-shaping), so a function can score per sample, batch calls to a verifier, or shape by length.
+its own Ray task reserving ``spec.reward.cpusPerWorker`` CPUs) and returns one number per input,
+in order: a real number (not a string, not a bool), finite, at most ``MAX_ABS_REWARD`` in
+magnitude (``as_reward``). Each ``RewardInput`` carries the prompt, the response, the reference
+answer, the row's ``data_source`` and ``extra_info``, and the prompt/response token lengths
+(overlong shaping), so a function can score per sample, batch calls to a verifier, or shape by
+length. The step's calls have ``REWARD_TIMEOUT_S`` together; past it their worker processes are
+killed and the step fails, naming the function.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -103,7 +108,45 @@ BUILTINS: dict[str, RewardFn] = {"gsm8k_strict": gsm8k_strict, "gsm8k_flexible":
 
 
 class RewardError(ValueError):
-    """The reward function cannot be loaded or returned something unusable."""
+    """The reward function cannot be loaded, returned something unusable, failed or ran too long."""
+
+
+# The largest reward magnitude a run trains on. Rewards are scores (0 or 1, [-1, 1], a few points);
+# one past a million is a bug (a count, a timestamp, an overflow) that would swamp the advantages
+# of the algorithms that do not divide by the group's spread (dr-grpo, rloo) and, near 1e154, overflow
+# even the float64 squares of GRPO's variance. An error, not a clamp: a clamped bug trains silently.
+MAX_ABS_REWARD = 1e6
+# How long one step's reward calls may take, all workers together, in seconds: the default of
+# spec.reward.timeoutSeconds once the API carries it. A verifier that hangs must end the step.
+REWARD_TIMEOUT_S = 600.0
+
+
+def as_reward(value: Any, where: str, error: type[ValueError] = RewardError) -> float:
+    """``value`` as a reward, or ``error`` naming ``where``: a real number (int, float, a numpy or
+    torch scalar), finite, with ``|value| <= MAX_ABS_REWARD``. A string is refused, "1e3" too: a
+    reward read from text is the function's job, where it knows the format. A bool is refused
+    as well (although Python counts it an int): ``True`` is a predicate, where a score was meant,
+    and numpy's ``bool_`` is no number at all, so ``float(ok)`` says which is meant, for both alike."""
+    if callable(getattr(value, "item", None)) and getattr(value, "shape", None) == ():  # numpy, torch
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise error(f"{where} is {value!r:.100} ({type(value).__name__}), not a number: return an int or a "
+                    f"float (a string is not parsed, and a bool needs float(...))")
+    bound = f"the bound |reward| <= {MAX_ABS_REWARD:g} (kuberl.train.rewards.MAX_ABS_REWARD); scale the reward into it"
+    try:
+        number = float(value)
+    except OverflowError:
+        raise error(f"{where} is an int past float's range, beyond {bound}") from None
+    if not math.isfinite(number):
+        raise error(f"{where} is {number}, not finite")
+    if abs(number) > MAX_ABS_REWARD:
+        raise error(f"{where} is {number:g}, beyond {bound}")
+    return number
+
+
+def reward_name(spec: RewardSpec) -> str:
+    """The reward function as the job names it, for errors."""
+    return f"spec.reward.builtin {spec.builtin}" if spec.builtin else f"spec.reward.function {spec.function}"
 
 
 def load_reward(spec: RewardSpec) -> RewardFn:
@@ -116,41 +159,41 @@ def load_reward(spec: RewardSpec) -> RewardFn:
     return fn
 
 
-def score(fn: RewardFn, batch: Sequence[RewardInput], offset: int = 0) -> list[float]:
-    """Call ``fn`` and check what it returned: one finite float per input. ``offset`` is the
-    share's position in the step, so errors name the sample as the whole step numbers it."""
+def score(fn: RewardFn, batch: Sequence[RewardInput], offset: int = 0, *, name: str = "the reward function"
+          ) -> list[float]:
+    """Call ``fn`` (``name`` in errors) and check what it returned: one reward per input
+    (``as_reward``). ``offset`` is the share's position in the step, so errors name the sample
+    as the whole step numbers it."""
     rewards = list(fn(list(batch)))
     if len(rewards) != len(batch):
-        raise RewardError(f"reward function returned {len(rewards)} rewards for {len(batch)} inputs "
+        raise RewardError(f"{name} returned {len(rewards)} rewards for {len(batch)} inputs "
                           f"(samples {offset}-{offset + len(batch) - 1})")
-    out = []
-    for i, r in enumerate(rewards):
-        try:
-            value = float(r)
-        except (TypeError, ValueError):
-            raise RewardError(f"reward {offset + i} is {r!r}, not a number") from None
-        if not math.isfinite(value):
-            raise RewardError(f"reward {offset + i} is {value}, not finite")
-        out.append(value)
-    return out
+    return [as_reward(r, f"{name}: reward {offset + i}") for i, r in enumerate(rewards)]
 
 
 def _score_share(spec: RewardSpec, batch: list[RewardInput], offset: int) -> list[float]:
     """One reward worker: loads the function in its own process (by name: nothing unpicklable
     crosses Ray) and scores its share."""
-    return score(load_reward(spec), batch, offset)
+    return score(load_reward(spec), batch, offset, name=reward_name(spec))
 
 
 class RewardWorkers:
     """Scores a step's samples in ``spec.workers`` parallel Ray tasks, contiguous shares, results
     in input order. The function is loaded once here as well, so a bad ``reward.function`` fails
-    when the driver starts, not at the first step."""
+    when the driver starts, not at the first step.
+
+    The step's shares have ``timeout_s`` together. A thread running a hung function could not be
+    stopped; a Ray task can: past the bound, or once one share failed, every share still running
+    is cancelled with ``force``, which kills its worker process, and the step fails naming the
+    function, the bound and the samples."""
 
     def __init__(self, spec: RewardSpec):
         import ray
 
         load_reward(spec)
         self.spec = spec
+        self.name = reward_name(spec)
+        self.timeout_s = REWARD_TIMEOUT_S  # spec.reward.timeoutSeconds once the API carries it
         self._task = ray.remote(_score_share).options(num_cpus=spec.cpus_per_worker, max_retries=0)
 
     def __call__(self, batch: Sequence[RewardInput]) -> list[float]:
@@ -160,14 +203,27 @@ class RewardWorkers:
         if not batch:
             return []
         per = -(-len(batch) // self.spec.workers)
-        refs = [self._task.remote(self.spec, batch[lo:lo + per], lo) for lo in range(0, len(batch), per)]
-        rewards: list[float] = []
-        for ref in refs:  # in order, so an error names the first bad share
-            try:
-                rewards += ray.get(ref)
-            except ray.exceptions.RayTaskError as exc:
-                # exc.cause is the worker's own exception; its str() has no Ray traceback around it.
-                if isinstance(exc.cause, RewardError):
-                    raise RewardError(str(exc.cause)) from None
-                raise RewardError(f"spec.reward.function failed: {exc.cause!r}") from None
-        return rewards
+        shares = {self._task.remote(self.spec, batch[lo:lo + per], lo): (lo, min(lo + per, len(batch)) - 1)
+                  for lo in range(0, len(batch), per)}
+        deadline = time.monotonic() + self.timeout_s
+        pending = list(shares)
+        try:
+            while pending:
+                done, pending = ray.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+                if not done:
+                    first, last = min(shares[ref] for ref in pending)
+                    raise RewardError(f"{self.name} did not return within {self.timeout_s:g} s "
+                                      f"(spec.reward.timeoutSeconds, the bound on a step's reward calls) for "
+                                      f"samples {first}-{last}; its workers were killed")
+                ray.get(done)  # a share that failed fails the step now, not after the slow ones
+        except ray.exceptions.RayTaskError as exc:
+            # exc.cause is the worker's own exception; its str() has no Ray traceback around it.
+            if isinstance(exc.cause, RewardError):
+                raise RewardError(str(exc.cause)) from None
+            raise RewardError(f"{self.name} failed: {exc.cause!r}") from None
+        except ray.exceptions.RayError as exc:  # the worker process died (out of memory, killed)
+            raise RewardError(f"{self.name}: a reward worker died: {exc}") from None
+        finally:
+            for ref in pending:
+                ray.cancel(ref, force=True)
+        return [reward for ref in shares for reward in ray.get(ref)]
