@@ -9,7 +9,9 @@ a seed per episode, ``agent.maxTokensPerTurn``), and plays one of the two forms 
   turns it into an observation (a tool's output) that goes back as the next user message, until the
   environment says done, ``maxTurns`` replies were made or the context is full. The reward is the
   sum of the steps' rewards. Each call of the environment's code (the class, ``reset``, ``step``)
-  has ``STEP_TIMEOUT_S``; one that runs past it fails the step (``bounded_call``).
+  has ``spec.agent.stepTimeoutSeconds`` (default 300: a tool that runs code or a test suite takes
+  seconds to minutes; one that takes longer is hung; with the turn's bound and ``maxTurns`` this
+  bounds a whole episode); one that runs past it fails the step (``bounded_call``).
 - ``harness``: any program, run once per episode with the endpoint's address and the episode key
   as its Anthropic and OpenAI API settings and the task as JSON on stdin; it talks to the endpoint
   as it likes and prints ``{"reward": ...}`` as its last line of output. It runs in a process group
@@ -45,11 +47,6 @@ from kuberl.train.rewards import as_reward
 ANTHROPIC_VERSION = "2023-06-01"
 # A CPU engine under a full step's episodes answers slowly; a turn that takes longer is a fault.
 TURN_TIMEOUT_S = 600.0
-# How long one call of the environment form's code (making the class, reset, one step) may take,
-# in seconds: the default of spec.agent.stepTimeoutSeconds once the API carries it. A tool that
-# runs code or a test suite takes seconds to minutes; one that takes longer is hung. With the
-# turn's bound and maxTurns this bounds a whole episode.
-STEP_TIMEOUT_S = 300.0
 # How often a harness is checked for having exited.
 HARNESS_POLL_S = 0.05
 # What a harness inherits from the driver's environment: enough to run a program, none of the
@@ -131,7 +128,7 @@ class AgentRollout:
         self.sampling = EpisodeSampling(temperature=algorithm.temperature, top_p=algorithm.top_p,
                                         top_k=algorithm.top_k, stop=tuple(algorithm.stop), max_tokens=self.max_tokens)
         self.environment = load_environment(self.agent.environment) if self.agent.environment else None
-        self.step_timeout_s = STEP_TIMEOUT_S  # spec.agent.stepTimeoutSeconds once the API carries it
+        self.step_timeout_s = float(self.agent.step_timeout_seconds)
         self.base_url, self.model, self.episodes = base_url, model, episodes
 
     def generate(self, prompts: Sequence[Prompt], group_size: int, seed: int) -> list[list[Sample]]:

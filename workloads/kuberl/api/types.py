@@ -199,6 +199,9 @@ class RewardSpec(APIModel):
     workers: int = Field(1, ge=1, le=1024, description="Parallel reward workers (Ray tasks); the step's "
                          "samples are split evenly among them.")
     cpus_per_worker: float = Field(1.0, gt=0, le=64, description="CPUs each reward worker reserves.")
+    timeout_seconds: int = Field(600, ge=1, le=86_400, description="How long one step's reward calls may take "
+                                 "together, in seconds; past it their worker processes are killed and the step "
+                                 "fails (docs/rewards.md).")
 
 
 EnvironmentClassPath = import_path_type("agent.environment", "Class", "kuberl.agents.calculator:Calculator")
@@ -236,6 +239,9 @@ class AgentSpec(APIModel):
                                             "Default: rollout.maxResponseLength. A whole episode (first "
                                             "prompt, replies, observations) fits in maxPromptLength + "
                                             "maxResponseLength tokens; one that fills it ends there.")
+    step_timeout_seconds: int = Field(300, ge=1, le=86_400, description="Environment form: the longest one "
+                                      "call of the environment's code (making the class, reset, one step) may "
+                                      "take, in seconds; a call that runs longer fails the step (docs/agents.md).")
     concurrency: int = Field(64, ge=1, le=4096, description="Episodes in flight at once (each waits on "
                              "its environment between turns).")
 

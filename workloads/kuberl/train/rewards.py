@@ -11,7 +11,8 @@ in order: a real number (not a string, not a bool), finite, at most ``MAX_ABS_RE
 magnitude (``as_reward``). Each ``RewardInput`` carries the prompt, the response, the reference
 answer, the row's ``data_source`` and ``extra_info``, and the prompt/response token lengths
 (overlong shaping), so a function can score per sample, batch calls to a verifier, or shape by
-length. The step's calls have ``REWARD_TIMEOUT_S`` together; past it their worker processes are
+length. The step's calls have ``spec.reward.timeoutSeconds`` together (a verifier that hangs must
+end the step); past it their worker processes are
 killed and the step fails, naming the function.
 """
 
@@ -116,9 +117,6 @@ class RewardError(ValueError):
 # of the algorithms that do not divide by the group's spread (dr-grpo, rloo) and, near 1e154, overflow
 # even the float64 squares of GRPO's variance. An error, not a clamp: a clamped bug trains silently.
 MAX_ABS_REWARD = 1e6
-# How long one step's reward calls may take, all workers together, in seconds: the default of
-# spec.reward.timeoutSeconds once the API carries it. A verifier that hangs must end the step.
-REWARD_TIMEOUT_S = 600.0
 
 
 def as_reward(value: Any, where: str, error: type[ValueError] = RewardError) -> float:
@@ -193,7 +191,7 @@ class RewardWorkers:
         load_reward(spec)
         self.spec = spec
         self.name = reward_name(spec)
-        self.timeout_s = REWARD_TIMEOUT_S  # spec.reward.timeoutSeconds once the API carries it
+        self.timeout_s = float(spec.timeout_seconds)
         self._task = ray.remote(_score_share).options(num_cpus=spec.cpus_per_worker, max_retries=0)
 
     def __call__(self, batch: Sequence[RewardInput]) -> list[float]:
