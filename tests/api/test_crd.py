@@ -45,7 +45,7 @@ def test_defaults_fill_a_minimal_spec_the_way_the_api_server_would():
                           _schema()["properties"]["spec"])
     assert spec["trainer"]["resources"] == {"cpu": "8", "memory": "64Gi", "cpuLimit": "request"}
     assert spec["head"]["resources"] == {"cpu": "2", "memory": "8Gi", "cpuLimit": "request"}
-    assert spec["reward"] == {"builtin": "gsm8k_strict", "workers": 1, "cpusPerWorker": 1.0}
+    assert spec["reward"] == {"builtin": "gsm8k_strict", "workers": 1, "cpusPerWorker": 1.0, "timeoutSeconds": 600}
     assert spec["checkpoint"]["resume"] == "auto"
 
 
