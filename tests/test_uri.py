@@ -41,3 +41,40 @@ def test_join_and_fsspec_url():
     assert root.fsspec_url == "s3://ckpt/run1"
     with pytest.raises(URIError):
         parse("/local").fsspec_url
+
+
+def test_every_scheme_is_placed_and_reached():
+    """Each entry of the scheme table says how a pod gets it (staged or on disk) and how its bytes
+    are read (the Hub, or an fsspec Store that imports); written forms parse back to the scheme."""
+    import pkgutil
+
+    from kuberl.storage.filesystems import Store
+    from kuberl.uri import SCHEMES, in_pod_path
+
+    examples = {"s3": "s3://bucket/p", "gs": "gs://bucket/p", "hf": "hf://org/name", "pvc": "pvc://claim/p",
+                "file": "/abs/p"}
+    assert set(SCHEMES) == set(examples)
+    for name, info in SCHEMES.items():
+        parsed = parse(examples[name])
+        assert parsed.info is info
+        assert info.staged != (info.on_disk is not None), name
+        assert info.hub == (info.store is None), name
+        if info.store is not None:
+            assert isinstance(pkgutil.resolve_name(info.store), Store), name
+    assert [in_pod_path(parse(examples[n]), "/stage/x") for n in examples] == [
+        "/stage/x", "/stage/x", "/stage/x", "/mnt/pvc/claim/p", "/abs/p"]
+    assert parse("org/name").with_revision("v1") == "hf://org/name@v1"
+
+
+def test_no_scheme_branches_outside_the_table():
+    """Scheme behaviour lives in kuberl.uri.SCHEMES: code asks the table (``parsed.info.hub``,
+    ``.mounted``, ``.on_disk``, ``.store``), never compares a scheme's name."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    branch = re.compile(r"\bscheme\s*(==|!=|in\s*[(\[{]|not\s+in\b)")
+    found = [f"{path.relative_to(root)}:{n}: {line.strip()}"
+             for folder in ("workloads", "operator") for path in sorted((root / folder).rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if branch.search(line)]
+    assert not found, "branch on the scheme's SchemeInfo in kuberl/uri.py instead:\n" + "\n".join(found)

@@ -199,7 +199,7 @@ def local(job: t.RLTrainingJob, work_dir: Path, attempt: int = 0) -> RunPlan:
     """``kuberl train`` outside Kubernetes: every process fetches its inputs itself."""
     spec = job.spec
     model = uris.parse(spec.model.uri, "spec.model.uri")
-    revision = spec.model.revision if model.scheme == "hf" else None
+    revision = spec.model.revision if model.info.hub else None
     return RunPlan(
         job=job.metadata.name, namespace=job.metadata.namespace, attempt=attempt,
         topology=topology(spec),

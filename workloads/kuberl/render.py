@@ -104,8 +104,8 @@ WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 def _model_source(model: t.ModelSpec) -> str:
     """The stager's source: a Hugging Face revision travels in the URI (hf://org/name@revision)."""
     parsed = uris.parse(model.uri, "spec.model.uri")
-    if parsed.scheme == "hf" and model.revision and not parsed.revision:
-        return f"hf://{parsed.bucket}@{model.revision}"
+    if parsed.info.hub and model.revision and not parsed.revision:
+        return parsed.with_revision(model.revision)
     return model.uri
 
 
@@ -117,7 +117,7 @@ def _pvc_claims(uris_in_pod: list[str]) -> list[str]:
     claims = []
     for u in uris_in_pod:
         parsed = uris.parse(u)
-        if parsed.scheme == "pvc" and parsed.bucket not in claims:
+        if parsed.info.mounted and parsed.bucket not in claims:
             claims.append(parsed.bucket)
     return claims
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 Scheme = Literal["s3", "gs", "hf", "pvc", "file"]
 
@@ -38,30 +38,82 @@ _CLAIM_RE = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
 
 @dataclass(frozen=True)
 class SchemeInfo:
-    """Everything kuberl decides per storage scheme; a new scheme is one entry in SCHEMES."""
+    """Everything kuberl decides per storage scheme; a new scheme is one entry in SCHEMES, and no
+    code outside this table asks for a scheme by name (tests/test_uri.py keeps it so)."""
 
     name: Scheme
     # The CRD pattern of this scheme's URIs after "<scheme>://" (None: absolute paths, "/...").
     tail: str | None
+    # Parses what follows "<scheme>://" (field, uri, rest); None: never written with "://".
+    split: Callable[[str, str, str], ParsedURI] | None
     # Copied into the pod by a ``kuberl stage`` init container (else read in place).
     staged: bool
     # May hold checkpoints (written by the trainers).
     checkpoints: bool
     # An object store reached through fsspec with credentials from a Secret.
     cloud: bool
+    # Its path on a pod's (or this machine's) disk, given where claims are mounted; None: not on
+    # disk, it is fetched (staged) first.
+    on_disk: Callable[[ParsedURI, str], str] | None = None
+    # A PersistentVolumeClaim the pod mounts at <pvc root>/<claim> (the URI's bucket).
+    mounted: bool = False
+    # A Hugging Face Hub repo: versioned by a revision, fetched with huggingface_hub, not fsspec.
+    hub: bool = False
+    # "module:attribute" of its fsspec access (kuberl.storage.filesystems.Store), imported on first
+    # use so that this module needs no fsspec; None for the Hub.
+    store: str | None = None
 
 
+def _split_bucket(field: str, uri: str, rest: str) -> ParsedURI:
+    scheme = uri.split("://", 1)[0]
+    bucket, _, path = rest.partition("/")
+    if not _BUCKET.match(bucket):
+        raise URIError(f"{field}: {uri!r} has no valid bucket name after {scheme}:// "
+                       f"(lowercase letters, digits, '-', '.', 3-63 characters)")
+    _reject_dot_segments(uri, path, field)
+    return ParsedURI(scheme, bucket, path.strip("/"), None, uri)  # type: ignore[arg-type]
+
+
+def _split_hf(field: str, uri: str, rest: str) -> ParsedURI:
+    repo, _, revision = rest.partition("@")
+    if not _HF_ID.match(repo):
+        raise URIError(f"{field}: {uri!r} is not hf://org/name[@revision]")
+    _check_revision(uri, revision, field)
+    return ParsedURI("hf", repo, "", revision or None, uri)
+
+
+def _split_claim(field: str, uri: str, rest: str) -> ParsedURI:
+    claim, _, path = rest.partition("/")
+    if not _DNS1123.match(claim):
+        raise URIError(f"{field}: {uri!r}: the claim name {claim!r} is not a valid "
+                       f"Kubernetes name (pvc://claim-name/path)")
+    _reject_dot_segments(uri, path, field)
+    return ParsedURI("pvc", claim, path.strip("/"), None, uri)
+
+
+def _claim_path(parsed: ParsedURI, pvc_root: str) -> str:
+    return f"{pvc_root}/{parsed.bucket}/{parsed.path}".rstrip("/")
+
+
+def _absolute_path(parsed: ParsedURI, pvc_root: str) -> str:
+    return parsed.path
+
+
+_STORES = "kuberl.storage.filesystems"
 SCHEMES: dict[str, SchemeInfo] = {
-    "s3": SchemeInfo("s3", rf"{_BUCKET_RE}(/\S*)?", staged=True, checkpoints=True, cloud=True),
-    "gs": SchemeInfo("gs", rf"{_BUCKET_RE}(/\S*)?", staged=True, checkpoints=True, cloud=True),
-    "hf": SchemeInfo("hf", rf"{_HF_RE}(@\S+)?", staged=True, checkpoints=False, cloud=False),
-    "pvc": SchemeInfo("pvc", rf"{_CLAIM_RE}(/\S*)?", staged=False, checkpoints=True, cloud=False),
-    "file": SchemeInfo("file", None, staged=False, checkpoints=True, cloud=False),
+    "s3": SchemeInfo("s3", rf"{_BUCKET_RE}(/\S*)?", _split_bucket, staged=True, checkpoints=True, cloud=True,
+                     store=f"{_STORES}:S3"),
+    "gs": SchemeInfo("gs", rf"{_BUCKET_RE}(/\S*)?", _split_bucket, staged=True, checkpoints=True, cloud=True,
+                     store=f"{_STORES}:GCS"),
+    "hf": SchemeInfo("hf", rf"{_HF_RE}(@\S+)?", _split_hf, staged=True, checkpoints=False, cloud=False,
+                     hub=True),
+    "pvc": SchemeInfo("pvc", rf"{_CLAIM_RE}(/\S*)?", _split_claim, staged=False, checkpoints=True, cloud=False,
+                      on_disk=_claim_path, mounted=True, store=f"{_STORES}:LOCAL"),
+    "file": SchemeInfo("file", None, None, staged=False, checkpoints=True, cloud=False,
+                       on_disk=_absolute_path, store=f"{_STORES}:LOCAL"),
 }
 # Bare Hugging Face ids ("org/name[@revision]") parse as "hf".
 _BARE_HF_PATTERN = rf"{_HF_RE}(@\S+)?"
-
-CLOUD_SCHEMES: tuple[str, ...] = tuple(name for name, info in SCHEMES.items() if info.cloud)
 
 
 def _pattern(schemes: list[SchemeInfo], *extra: str) -> str:
@@ -156,6 +208,14 @@ class ParsedURI:
             raise URIError(f"{self.original!r} is not a cloud object-store URI")
         return f"{self.scheme}://{self.bucket}/{self.path}".rstrip("/")
 
+    def on_disk(self, pvc_root: str) -> str | None:
+        """Its path on disk, claims mounted at ``pvc_root``; None where it must be fetched first."""
+        return self.info.on_disk(self, pvc_root) if self.info.on_disk else None
+
+    def with_revision(self, revision: str) -> str:
+        """The URI of this Hub repo at ``revision`` (``hf://org/name@revision``)."""
+        return f"{self.scheme}://{self.bucket}@{revision}"
+
     def join(self, *parts: str) -> str:
         """A child URI, e.g. ``parse("s3://b/ckpt").join("step-1")`` -> ``"s3://b/ckpt/step-1"``."""
         tail = "/".join(p.strip("/") for p in parts if p.strip("/"))
@@ -171,26 +231,9 @@ def parse(uri: str, field: str = "uri") -> ParsedURI:
         raise URIError(f"{field}: {uri!r} contains whitespace")
     if "://" in uri:
         scheme, rest = uri.split("://", 1)
-        if scheme in CLOUD_SCHEMES:
-            bucket, _, path = rest.partition("/")
-            if not _BUCKET.match(bucket):
-                raise URIError(f"{field}: {uri!r} has no valid bucket name after {scheme}:// "
-                               f"(lowercase letters, digits, '-', '.', 3-63 characters)")
-            _reject_dot_segments(uri, path, field)
-            return ParsedURI(scheme, bucket, path.strip("/"), None, uri)  # type: ignore[arg-type]
-        if scheme == "hf":
-            repo, _, revision = rest.partition("@")
-            if not _HF_ID.match(repo):
-                raise URIError(f"{field}: {uri!r} is not hf://org/name[@revision]")
-            _check_revision(uri, revision, field)
-            return ParsedURI("hf", repo, "", revision or None, uri)
-        if scheme == "pvc":
-            claim, _, path = rest.partition("/")
-            if not _DNS1123.match(claim):
-                raise URIError(f"{field}: {uri!r}: the claim name {claim!r} is not a valid "
-                               f"Kubernetes name (pvc://claim-name/path)")
-            _reject_dot_segments(uri, path, field)
-            return ParsedURI("pvc", claim, path.strip("/"), None, uri)
+        info = SCHEMES.get(scheme)
+        if info is not None and info.split is not None:
+            return info.split(field, uri, rest)
         raise URIError(f"{field}: unknown scheme {scheme + '://'!r} in {uri!r} ({_FORMS})")
     if uri.startswith("/"):
         _reject_dot_segments(uri, uri, field)
@@ -212,9 +255,9 @@ def in_pod_path(parsed: ParsedURI, staged_dir: str) -> str:
     """The path a container reads ``parsed`` from: the staged copy, a mounted claim, or itself."""
     if parsed.info.staged:
         return staged_dir
-    if parsed.scheme == "pvc":
-        return f"{PVC_ROOT}/{parsed.bucket}/{parsed.path}".rstrip("/")
-    return parsed.path
+    on_disk = parsed.on_disk(PVC_ROOT)
+    assert on_disk is not None, "every scheme is staged or on disk (tests/test_uri.py checks the table)"
+    return on_disk
 
 
 def _reject_dot_segments(uri: str, path: str, field: str) -> None:

@@ -17,13 +17,11 @@ request at a time.
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures as cf
 import fnmatch
 import functools
 import hashlib
 import os
-import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -38,7 +36,6 @@ from kuberl.storage.progress import Progress, log
 from kuberl.storage.safepath import PART_SUFFIX, checked_relpath, target_path
 from kuberl.uri import ParsedURI
 
-_MD5_HEX = re.compile(r"^[0-9a-f]{32}$")
 _HASH_BLOCK = 8 << 20
 # What one worker holds in memory at a time: one streamed block of a range.
 STREAM_BLOCK = 1 << 20
@@ -52,19 +49,6 @@ class RemoteFile:
     size: int
     etag: str | None    # identity of the content: S3 ETag, GCS generation, local mtime
     md5: str | None     # hex MD5 the store vouches for, when it gives one
-
-
-def _identity(info: dict, scheme: str) -> tuple[str | None, str | None]:
-    """(etag, md5-hex) from an fsspec info dict."""
-    if scheme == "s3":
-        etag = str(info.get("ETag") or info.get("etag") or "").strip('"') or None
-        # Multipart ETags ("<md5 of part md5s>-<n>") are not the MD5 of the content.
-        return etag, etag if etag and _MD5_HEX.match(etag) else None
-    if scheme == "gs":
-        md5 = base64.b64decode(info["md5Hash"]).hex() if info.get("md5Hash") else None
-        generation = info.get("generation")
-        return (str(generation) if generation else info.get("etag")), md5
-    return f"mtime:{info.get('mtime')}", None
 
 
 def list_source(fs: fsspec.AbstractFileSystem, parsed: ParsedURI, root: str, uri: str, *,
@@ -83,6 +67,7 @@ def list_source(fs: fsspec.AbstractFileSystem, parsed: ParsedURI, root: str, uri
             raise StorageError(f"{uri}: bucket {parsed.bucket!r} does not exist (or these "
                                f"credentials cannot see it); check the bucket name") from exc
         raise
+    identity = filesystems.store(parsed).identity
     files = []
     for key, info in listing.items():
         if info.get("islink") and not parsed.is_cloud and os.path.isfile(key):
@@ -100,7 +85,7 @@ def list_source(fs: fsspec.AbstractFileSystem, parsed: ParsedURI, root: str, uri
         rel = checked_relpath(rel, uri)
         if any(fnmatch.fnmatch(rel, pattern) for pattern in exclude):
             continue
-        etag, md5 = _identity(info, parsed.scheme)
+        etag, md5 = identity(info)
         files.append(RemoteFile(key, rel, int(info["size"]), etag, md5))
     if not files:
         if parsed.is_cloud and not _bucket_exists(fs, parsed, uri, attempts):

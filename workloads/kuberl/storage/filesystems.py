@@ -7,7 +7,11 @@ the job spec, so a spec cannot point a worker at someone else's credentials.
 
 from __future__ import annotations
 
+import base64
 import os
+import pkgutil
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,11 +30,10 @@ def pvc_root() -> Path:
 
 def local_path(parsed: ParsedURI) -> Path:
     """The on-disk path of a ``file`` or ``pvc`` URI."""
-    if parsed.scheme == "file":
-        return Path(parsed.path)
-    if parsed.scheme == "pvc":
-        return pvc_root() / parsed.bucket / parsed.path
-    raise ValueError(f"{parsed.original!r} is not a local or pvc:// path")
+    on_disk = parsed.on_disk(str(pvc_root()))
+    if on_disk is None:
+        raise ValueError(f"{parsed.original!r} is not a local or pvc:// path")
+    return Path(on_disk)
 
 
 @dataclass(frozen=True)
@@ -86,38 +89,86 @@ def check_containment(source: Path, uri: str) -> None:
                                f"{allowed.name} to {real}; {allowed.fix}")
 
 
+@dataclass(frozen=True)
+class Store:
+    """How one scheme's bytes are reached through fsspec (``SchemeInfo.store`` names it)."""
+
+    # A fresh filesystem allowing ``max_connections`` concurrent requests.
+    open: Callable[[int], fsspec.AbstractFileSystem]
+    # (etag, md5-hex) from an fsspec info dict: what identifies an object's content, and the MD5
+    # the store vouches for when it gives one.
+    identity: Callable[[dict], tuple[str | None, str | None]]
+
+
+def _s3(max_connections: int) -> fsspec.AbstractFileSystem:
+    import s3fs
+
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return s3fs.S3FileSystem(
+        endpoint_url=endpoint or None,
+        skip_instance_cache=True,
+        # One HTTP connection per concurrent request; botocore's default pool is 10.
+        config_kwargs={"max_pool_connections": max_connections},
+    )
+
+
+_MD5_HEX = re.compile(r"^[0-9a-f]{32}$")
+
+
+def _s3_identity(info: dict) -> tuple[str | None, str | None]:
+    etag = str(info.get("ETag") or info.get("etag") or "").strip('"') or None
+    # Multipart ETags ("<md5 of part md5s>-<n>") are not the MD5 of the content.
+    return etag, etag if etag and _MD5_HEX.match(etag) else None
+
+
+def _gcs(max_connections: int) -> fsspec.AbstractFileSystem:
+    import gcsfs
+    import gcsfs.core
+
+    emulator = bool(os.environ.get("STORAGE_EMULATOR_HOST"))
+    if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
+        token = os.environ["GOOGLE_APPLICATION_CREDENTIALS"]
+    elif emulator:
+        token = "anon"  # emulators take no credentials
+    else:
+        token = None  # gcsfs default chain: workload identity / metadata server
+    # gcsfs's default class asks the Storage Control gRPC API for each bucket's layout, which
+    # emulators do not serve (every call would wait out a 60 s gRPC timeout); against an
+    # emulator use the plain JSON-API class.
+    cls = gcsfs.core.GCSFileSystem if emulator else gcsfs.GCSFileSystem
+    return cls(token=token, skip_instance_cache=True)
+
+
+def _gcs_identity(info: dict) -> tuple[str | None, str | None]:
+    md5 = base64.b64decode(info["md5Hash"]).hex() if info.get("md5Hash") else None
+    generation = info.get("generation")
+    return (str(generation) if generation else info.get("etag")), md5
+
+
+def _local(max_connections: int) -> fsspec.AbstractFileSystem:
+    return fsspec.filesystem("file", skip_instance_cache=True)
+
+
+def _local_identity(info: dict) -> tuple[str | None, str | None]:
+    return f"mtime:{info.get('mtime')}", None
+
+
+S3 = Store(_s3, _s3_identity)
+GCS = Store(_gcs, _gcs_identity)
+LOCAL = Store(_local, _local_identity)
+
+
+def store(parsed: ParsedURI) -> Store:
+    """The fsspec access of ``parsed``'s scheme."""
+    if parsed.info.store is None:
+        raise ValueError(f"{parsed.original!r}: no object-store filesystem for scheme {parsed.scheme!r}")
+    return pkgutil.resolve_name(parsed.info.store)
+
+
 def filesystem(parsed: ParsedURI, *, max_connections: int = 32) -> fsspec.AbstractFileSystem:
     """A fresh fsspec filesystem for ``parsed`` (never fsspec's instance cache: tests and
     long-lived workers change the environment between calls)."""
-    if parsed.scheme == "s3":
-        import s3fs
-
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        return s3fs.S3FileSystem(
-            endpoint_url=endpoint or None,
-            skip_instance_cache=True,
-            # One HTTP connection per concurrent request; botocore's default pool is 10.
-            config_kwargs={"max_pool_connections": max_connections},
-        )
-    if parsed.scheme == "gs":
-        import gcsfs
-        import gcsfs.core
-
-        emulator = bool(os.environ.get("STORAGE_EMULATOR_HOST"))
-        if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
-            token = os.environ["GOOGLE_APPLICATION_CREDENTIALS"]
-        elif emulator:
-            token = "anon"  # emulators take no credentials
-        else:
-            token = None  # gcsfs default chain: workload identity / metadata server
-        # gcsfs's default class asks the Storage Control gRPC API for each bucket's layout, which
-        # emulators do not serve (every call would wait out a 60 s gRPC timeout); against an
-        # emulator use the plain JSON-API class.
-        cls = gcsfs.core.GCSFileSystem if emulator else gcsfs.GCSFileSystem
-        return cls(token=token, skip_instance_cache=True)
-    if parsed.scheme in ("file", "pvc"):
-        return fsspec.filesystem("file", skip_instance_cache=True)
-    raise ValueError(f"{parsed.original!r}: no object-store filesystem for scheme {parsed.scheme!r}")
+    return store(parsed).open(max_connections)
 
 
 def root_path(parsed: ParsedURI) -> str:

@@ -31,23 +31,23 @@ def resolve(uri: str, *, revision: str | None = None, trust_remote_code: bool = 
       that is removed on exit, also when the body raises.
     """
     parsed = parse(uri, "model")
-    if revision is not None and parsed.scheme != "hf":
+    if revision is not None and not parsed.info.hub:
         raise ValueError(f"{uri}: revision={revision!r} applies only to Hugging Face sources; "
                          f"put the version in the path instead")
     if revision is not None and (problem := revision_problem(revision)):
         raise ValueError(f"{uri}: revision {revision!r} {problem}")
     exclude = () if trust_remote_code else REMOTE_CODE_GLOBS
-    if parsed.scheme in ("file", "pvc"):
+    if parsed.info.on_disk is not None:
         path = filesystems.local_path(parsed)
         if not path.exists():
             hint = (f" (is claim {parsed.bucket!r} mounted at {filesystems.pvc_root()}/"
                     f"{parsed.bucket}? KUBERL_PVC_ROOT sets the mount root)"
-                    if parsed.scheme == "pvc" else "")
+                    if parsed.info.mounted else "")
             raise FileNotFoundError(f"{uri}: {path} does not exist{hint}")
         filesystems.check_containment(path, uri)
         yield str(path)
         return
-    if parsed.scheme == "hf":
+    if parsed.info.hub:
         from huggingface_hub import snapshot_download
 
         try:

@@ -67,7 +67,7 @@ def stage(src: str, dst: str | Path, *, workers: int = DEFAULT_WORKERS,
     dst = Path(dst).absolute()
     dst.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    if parsed.scheme == "hf":
+    if parsed.info.hub:
         return _stage_hf(parsed, dst, workers, exclude, started)
     fs = filesystems.filesystem(parsed, max_connections=workers)
     root = filesystems.root_path(parsed)
