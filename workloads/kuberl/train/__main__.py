@@ -4,6 +4,10 @@ The same command runs inside a KubeRay cluster (the RayJob's entrypoint, config 
 the job's ConfigMap, model staged by init containers) and on a laptop (a local Ray and a local
 run plan: every process fetches its inputs itself). Without --config it runs the embedded
 default: a tiny model and a toy task made locally under ~/.cache/kuberl/.
+
+A local run shows its progress (a bar on a terminal, a line per step elsewhere) and the checkpoint
+events, and writes vLLM's, Ray's and its own log lines to <work-dir>/kuberl-train.log; -v shows
+them on the console instead. Inside a RayJob (RAY_ADDRESS set) every line goes to stdout.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ import yaml
 from kuberl import plan as plans
 from kuberl.api.types import RLTrainingJob
 from kuberl.api.validate import ManifestError, validate_manifest
+from kuberl.train import progress
 
 log = logging.getLogger("kuberl.train")
 DEFAULT_HOME = Path(os.environ.get("KUBERL_CACHE", Path.home() / ".cache" / "kuberl"))
 TINY_VERSION = "tiny-v2"
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
 def embedded_job(root: Path) -> RLTrainingJob:
@@ -65,7 +71,8 @@ def load_job(path: str) -> RLTrainingJob:
 
 
 def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None,
-        metrics_file: Path | None = None) -> int:
+        metrics_file: Path | None = None, display: progress.Display | None = None) -> int:
+    """Train ``job``; with a ``display``, show its progress there (a local run's console)."""
     import ray
     from transformers import AutoTokenizer
 
@@ -81,7 +88,7 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     from kuberl.train.tracking import make_trackers
 
     spec = job.spec
-    reporter = reporter_from_env()
+    reporter = reporter_from_env() if display is None else progress.ConsoleReporter(display)
     with user_errors_reported(reporter, plan.attempt):
         # The job's own code first: a reward function or environment class that cannot be loaded
         # fails the job here, naming the field, before Ray, engines or trainers take any GPU time.
@@ -114,7 +121,8 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
         stack.callback(engines.shutdown)
         weight_sync = make_weight_sync(spec, trainer, engines)
         weight_sync.setup()
-        checkpoints = CheckpointManager(plan.checkpoints, plan.resume, trainer, on_committed=reporter.checkpoint)
+        checkpoints = CheckpointManager(plan.checkpoints, plan.resume, trainer, on_committed=reporter.checkpoint,
+                                        on_restored=reporter.resumed)
         trackers = make_trackers(spec.tracking, run_name=job.metadata.name,
                                  run_id=job.metadata.uid or job.metadata.name,
                                  config=job.model_dump(mode="json", by_alias=True, exclude_none=True)["spec"],
@@ -124,6 +132,9 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
                             metrics_file=metrics_file, validation_path=validation_path, trackers=trackers,
                             exporter=lambda step: trainer.export_hugging_face(plan.checkpoints.export_uri_at(step)))
         driver.restore()
+        if display is not None:
+            display.start(driver.step, driver.total_steps,
+                          driver.total_steps if max_steps is None else min(driver.total_steps, driver.step + max_steps))
         code, _ = driver.run(max_steps)
         if code == 0 and plan.checkpoints.export_hugging_face and driver.step >= driver.total_steps:
             trainer.export_hugging_face(plan.checkpoints.export_uri)
@@ -144,13 +155,36 @@ def main(argv: list[str] | None = None) -> int:
                         "checkpoint shards below it before uploading them; default: ~/.cache/kuberl/runs/<job>)")
     parser.add_argument("--max-steps", type=int, help="stop after this many steps (the run can be resumed)")
     parser.add_argument("--metrics-file", type=Path, help="append one JSON line of metrics per step")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="every log line (vLLM's, Ray's, the driver's) on the console instead of the log file")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # Inside a RayJob (RAY_ADDRESS set) the logs stay on stdout: KubeRay keeps them as the pod's
+    # logs, and the operator and tests/e2e read the "step N/M k=v" lines there.
+    mode = progress.console_mode(verbose=args.verbose, in_ray_job=bool(os.environ.get("RAY_ADDRESS")),
+                                 is_tty=sys.stdout.isatty())
     job = load_job(args.config) if args.config else embedded_job(DEFAULT_HOME / TINY_VERSION)
     work_dir = args.work_dir or DEFAULT_HOME / "runs" / job.metadata.name
     plan = plans.load(job, Path(args.config) if args.config else None, work_dir)
-    return run(job, plan, max_steps=args.max_steps, metrics_file=args.metrics_file)
+    if mode == progress.LOGS:
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+        return run(job, plan, max_steps=args.max_steps, metrics_file=args.metrics_file)
+    log_path = work_dir / progress.LOG_FILE
+    with progress.logs_to_file(log_path) as console:
+        display = progress.Display(console, bar=mode == progress.BAR)
+        print(f"kuberl train {job.metadata.name}: vLLM, Ray and driver logs go to {log_path} (-v shows them here)",
+              file=console, flush=True)
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # to stderr: the log file now
+        logging.getLogger().addHandler(progress.ConsoleHandler(display))
+        try:
+            return run(job, plan, max_steps=args.max_steps, metrics_file=args.metrics_file, display=display)
+        finally:
+            display.close()
+            import ray  # run() imported it
+
+            # Now, not at exit: what Ray's shutdown prints still goes to the log file.
+            if ray.is_initialized():
+                ray.shutdown()
 
 
 if __name__ == "__main__":
