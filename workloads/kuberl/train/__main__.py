@@ -29,6 +29,7 @@ from kuberl.train import progress
 log = logging.getLogger("kuberl.train")
 DEFAULT_HOME = Path(os.environ.get("KUBERL_CACHE", Path.home() / ".cache" / "kuberl"))
 TINY_VERSION = "tiny-v2"
+EMBEDDED_JOB = "embedded-tiny"
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
@@ -44,7 +45,7 @@ def embedded_job(root: Path) -> RLTrainingJob:
     return validate_manifest({
         "apiVersion": "kuberl.dev/v1alpha1",
         "kind": "RLTrainingJob",
-        "metadata": {"name": "embedded-tiny"},
+        "metadata": {"name": EMBEDDED_JOB},
         "spec": {
             "image": "local",
             "model": {"uri": str(model)},
@@ -163,28 +164,34 @@ def main(argv: list[str] | None = None) -> int:
     # logs, and the operator and tests/e2e read the "step N/M k=v" lines there.
     mode = progress.console_mode(verbose=args.verbose, in_ray_job=bool(os.environ.get("RAY_ADDRESS")),
                                  is_tty=sys.stdout.isatty())
-    job = load_job(args.config) if args.config else embedded_job(DEFAULT_HOME / TINY_VERSION)
-    work_dir = args.work_dir or DEFAULT_HOME / "runs" / job.metadata.name
-    plan = plans.load(job, Path(args.config) if args.config else None, work_dir)
+    job = load_job(args.config) if args.config else None  # the embedded job is made below: its output is logged
+    name = job.metadata.name if job else EMBEDDED_JOB
+    work_dir = args.work_dir or DEFAULT_HOME / "runs" / name
     if mode == progress.LOGS:
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-        return run(job, plan, max_steps=args.max_steps, metrics_file=args.metrics_file)
+        return _train(args, job, work_dir)
     log_path = work_dir / progress.LOG_FILE
     with progress.logs_to_file(log_path) as console:
         display = progress.Display(console, bar=mode == progress.BAR)
-        print(f"kuberl train {job.metadata.name}: vLLM, Ray and driver logs go to {log_path} (-v shows them here)",
+        print(f"kuberl train {name}: vLLM, Ray and driver logs go to {log_path} (-v shows them here)",
               file=console, flush=True)
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # to stderr: the log file now
         logging.getLogger().addHandler(progress.ConsoleHandler(display))
         try:
-            return run(job, plan, max_steps=args.max_steps, metrics_file=args.metrics_file, display=display)
+            return _train(args, job, work_dir, display)
         finally:
             display.close()
-            import ray  # run() imported it
-
             # Now, not at exit: what Ray's shutdown prints still goes to the log file.
-            if ray.is_initialized():
+            ray = sys.modules.get("ray")  # imported by run(), if it got that far
+            if ray is not None and ray.is_initialized():
                 ray.shutdown()
+
+
+def _train(args: argparse.Namespace, job: RLTrainingJob | None, work_dir: Path,
+           display: progress.Display | None = None) -> int:
+    job = job or embedded_job(DEFAULT_HOME / TINY_VERSION)
+    plan = plans.load(job, Path(args.config) if args.config else None, work_dir)
+    return run(job, plan, max_steps=args.max_steps, metrics_file=args.metrics_file, display=display)
 
 
 if __name__ == "__main__":

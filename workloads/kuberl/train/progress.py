@@ -86,7 +86,7 @@ class Display:
                 from tqdm import tqdm
 
                 self._tqdm = tqdm(total=total, initial=step, file=self.console, unit="step", desc="train",
-                                  dynamic_ncols=True, bar_format="{desc} {bar} {n_fmt}/{total_fmt} {postfix}")
+                                  dynamic_ncols=True, bar_format="{desc} {bar} {n_fmt}/{total_fmt}{postfix}")
 
     def step(self, step: int, total: int, reward: float | None, tokens_per_second: float | None) -> None:
         with self._lock:
@@ -148,12 +148,13 @@ class ConsoleHandler(logging.Handler):
     """Log records the console still shows: kuberl's own warnings, and every error."""
 
     def __init__(self, display: Display):
-        super().__init__(logging.WARNING)
+        super().__init__()
         self.display = display
         self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR or record.name.split(".")[0] == "kuberl"
+        return record.levelno >= logging.ERROR or (record.levelno >= logging.WARNING
+                                                   and record.name.split(".")[0] == "kuberl")
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
