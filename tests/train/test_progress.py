@@ -2,6 +2,9 @@
 
 import io
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -97,3 +100,35 @@ def test_console_handler_shows_kuberls_warnings_and_every_error_only():
         handler.handle(logging.LogRecord(name, level, __file__, 1, message, None, None))
     assert console.getvalue().splitlines() == ["WARNING kuberl.train: SIGTERM: finishing the step",
                                                "ERROR ray: actor died"]
+
+
+def test_logs_to_file_takes_fd_1_and_2_from_this_process_and_its_children(tmp_path, capfd):
+    path = tmp_path / "runs" / "job" / progress.LOG_FILE
+    with progress.logs_to_file(path) as console:
+        os.write(1, b"native stdout\n")
+        os.write(2, b"native stderr\n")
+        subprocess.run([sys.executable, "-c", "print('a child, as Ray starts them')"], check=True)
+        print("step 1/40 shown", file=console)
+    out, err = capfd.readouterr()
+    assert (out, err) == ("step 1/40 shown\n", "")
+    assert path.read_text().splitlines()[1:] == ["native stdout", "native stderr", "a child, as Ray starts them"]
+    with progress.logs_to_file(path):  # a rerun appends: the run before's log stays
+        os.write(1, b"second run\n")
+    assert path.read_text().count("==== kuberl train") == 2 and "native stdout" in path.read_text()
+
+
+def test_logs_to_file_writes_an_error_there_and_leaves_it_to_the_console(tmp_path, capfd):
+    path = tmp_path / progress.LOG_FILE
+    with pytest.raises(RuntimeError, match="engine died"), progress.logs_to_file(path):
+        raise RuntimeError("engine died")
+    assert "RuntimeError: engine died" in path.read_text()
+    # Back on the console: pytest (or, in kuberl train, Python itself) prints what propagates.
+    os.write(2, b"console again\n")
+    assert capfd.readouterr().err == "console again\n"
+
+
+def test_logs_to_file_names_an_unwritable_path_and_the_fix(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit, match=r"cannot write the log file .*a-file/kuberl-train.log: .*--work-dir.*-v"):
+        with progress.logs_to_file(tmp_path / "a-file" / progress.LOG_FILE):
+            pass

@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
         return _train(args, job, work_dir)
     log_path = work_dir / progress.LOG_FILE
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # Ray's copies of its workers' lines: no color codes in a file
     with progress.logs_to_file(log_path) as console:
         display = progress.Display(console, bar=mode == progress.BAR)
         print(f"kuberl train {name}: vLLM, Ray and driver logs go to {log_path} (-v shows them here)",

@@ -181,15 +181,16 @@ def logs_to_file(path: Path) -> Iterator[TextIO]:
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
     console = os.fdopen(os.dup(saved[0]), "w", buffering=1)
+    log_file = os.fdopen(fd, "w", buffering=1)  # the file itself, whatever sys.stderr is (pytest's)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    os.close(fd)
-    print(f"==== kuberl train {time.strftime('%Y-%m-%d %H:%M:%S')} (pid {os.getpid()})", file=sys.stderr, flush=True)
+    print(f"==== kuberl train {time.strftime('%Y-%m-%d %H:%M:%S')} (pid {os.getpid()})", file=log_file)
     try:
         yield console
     except BaseException as exc:
         if not (isinstance(exc, SystemExit) and not isinstance(exc.code, str)):
-            traceback.print_exc(file=sys.stderr)
+            sys.stderr.flush()
+            traceback.print_exc(file=log_file)
         raise
     finally:
         sys.stdout.flush()
@@ -199,3 +200,4 @@ def logs_to_file(path: Path) -> Iterator[TextIO]:
         os.close(saved[0])
         os.close(saved[1])
         console.close()
+        log_file.close()
