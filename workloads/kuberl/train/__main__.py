@@ -4,6 +4,10 @@ The same command runs inside a KubeRay cluster (the RayJob's entrypoint, config 
 the job's ConfigMap, model staged by init containers) and on a laptop (a local Ray and a local
 run plan: every process fetches its inputs itself). Without --config it runs the embedded
 default: a tiny model and a toy task made locally under ~/.cache/kuberl/.
+
+A local run shows its progress (a bar on a terminal, a line per step elsewhere) and the checkpoint
+events, and writes vLLM's, Ray's and its own log lines to <work-dir>/kuberl-train.log; -v shows
+them on the console instead. Inside a RayJob (RAY_ADDRESS set) every line goes to stdout.
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ import yaml
 from kuberl import plan as plans
 from kuberl.api.types import RLTrainingJob
 from kuberl.api.validate import ManifestError, validate_manifest
+from kuberl.train import progress
 
 log = logging.getLogger("kuberl.train")
 DEFAULT_HOME = Path(os.environ.get("KUBERL_CACHE", Path.home() / ".cache" / "kuberl"))
 TINY_VERSION = "tiny-v2"
+EMBEDDED_JOB = "embedded-tiny"
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
 def embedded_job(root: Path) -> RLTrainingJob:
@@ -38,7 +45,7 @@ def embedded_job(root: Path) -> RLTrainingJob:
     return validate_manifest({
         "apiVersion": "kuberl.dev/v1alpha1",
         "kind": "RLTrainingJob",
-        "metadata": {"name": "embedded-tiny"},
+        "metadata": {"name": EMBEDDED_JOB},
         "spec": {
             "image": "local",
             "model": {"uri": str(model)},
@@ -65,7 +72,8 @@ def load_job(path: str) -> RLTrainingJob:
 
 
 def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None,
-        metrics_file: Path | None = None) -> int:
+        metrics_file: Path | None = None, display: progress.Display | None = None) -> int:
+    """Train ``job``; with a ``display``, show its progress there (a local run's console)."""
     import ray
     from transformers import AutoTokenizer
 
@@ -81,7 +89,7 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     from kuberl.train.tracking import make_trackers
 
     spec = job.spec
-    reporter = reporter_from_env()
+    reporter = reporter_from_env() if display is None else progress.ConsoleReporter(display)
     with user_errors_reported(reporter, plan.attempt):
         # The job's own code first: a reward function or environment class that cannot be loaded
         # fails the job here, naming the field, before Ray, engines or trainers take any GPU time.
@@ -114,7 +122,8 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
         stack.callback(engines.shutdown)
         weight_sync = make_weight_sync(spec, trainer, engines)
         weight_sync.setup()
-        checkpoints = CheckpointManager(plan.checkpoints, plan.resume, trainer, on_committed=reporter.checkpoint)
+        checkpoints = CheckpointManager(plan.checkpoints, plan.resume, trainer, on_committed=reporter.checkpoint,
+                                        on_restored=reporter.resumed)
         trackers = make_trackers(spec.tracking, run_name=job.metadata.name,
                                  run_id=job.metadata.uid or job.metadata.name,
                                  config=job.model_dump(mode="json", by_alias=True, exclude_none=True)["spec"],
@@ -124,6 +133,9 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
                             metrics_file=metrics_file, validation_path=validation_path, trackers=trackers,
                             exporter=lambda step: trainer.export_hugging_face(plan.checkpoints.export_uri_at(step)))
         driver.restore()
+        if display is not None:
+            display.start(driver.step, driver.total_steps,
+                          driver.total_steps if max_steps is None else min(driver.total_steps, driver.step + max_steps))
         code, _ = driver.run(max_steps)
         if code == 0 and plan.checkpoints.export_hugging_face and driver.step >= driver.total_steps:
             trainer.export_hugging_face(plan.checkpoints.export_uri)
@@ -144,13 +156,43 @@ def main(argv: list[str] | None = None) -> int:
                         "checkpoint shards below it before uploading them; default: ~/.cache/kuberl/runs/<job>)")
     parser.add_argument("--max-steps", type=int, help="stop after this many steps (the run can be resumed)")
     parser.add_argument("--metrics-file", type=Path, help="append one JSON line of metrics per step")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="every log line (vLLM's, Ray's, the driver's) on the console instead of the log file")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    job = load_job(args.config) if args.config else embedded_job(DEFAULT_HOME / TINY_VERSION)
-    work_dir = args.work_dir or DEFAULT_HOME / "runs" / job.metadata.name
+    # Inside a RayJob (RAY_ADDRESS set) the logs stay on stdout: KubeRay keeps them as the pod's
+    # logs, and the operator and tests/e2e read the "step N/M k=v" lines there.
+    mode = progress.console_mode(verbose=args.verbose, in_ray_job=bool(os.environ.get("RAY_ADDRESS")),
+                                 is_tty=sys.stdout.isatty())
+    job = load_job(args.config) if args.config else None  # the embedded job is made below: its output is logged
+    name = job.metadata.name if job else EMBEDDED_JOB
+    work_dir = args.work_dir or DEFAULT_HOME / "runs" / name
+    if mode == progress.LOGS:
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+        return _train(args, job, work_dir)
+    log_path = work_dir / progress.LOG_FILE
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # Ray's copies of its workers' lines: no color codes in a file
+    with progress.logs_to_file(log_path) as console:
+        display = progress.Display(console, bar=mode == progress.BAR)
+        print(f"kuberl train {name}: vLLM, Ray and driver logs go to {log_path} (-v shows them here)",
+              file=console, flush=True)
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # to stderr: the log file now
+        logging.getLogger().addHandler(progress.ConsoleHandler(display))
+        try:
+            return _train(args, job, work_dir, display)
+        finally:
+            display.close()
+            # Now, not at exit: what Ray's shutdown prints still goes to the log file.
+            ray = sys.modules.get("ray")  # imported by run(), if it got that far
+            if ray is not None and ray.is_initialized():
+                ray.shutdown()
+
+
+def _train(args: argparse.Namespace, job: RLTrainingJob | None, work_dir: Path,
+           display: progress.Display | None = None) -> int:
+    job = job or embedded_job(DEFAULT_HOME / TINY_VERSION)
     plan = plans.load(job, Path(args.config) if args.config else None, work_dir)
-    return run(job, plan, max_steps=args.max_steps, metrics_file=args.metrics_file)
+    return run(job, plan, max_steps=args.max_steps, metrics_file=args.metrics_file, display=display)
 
 
 if __name__ == "__main__":

@@ -268,11 +268,13 @@ class CheckpointManager:
     ``commit_checkpoint``, ``find_checkpoint``, ``load_checkpoint``)."""
 
     def __init__(self, checkpoints: Checkpoints, resume: Resume, trainer: Any,
-                 on_committed: Callable[[str, int], None] = lambda uri, step: None):
+                 on_committed: Callable[[str, int], None] = lambda uri, step: None,
+                 on_restored: Callable[[str, int], None] = lambda uri, step: None):
         self.spec = checkpoints
         self.resume = resume
         self.trainer = trainer
         self.on_committed = on_committed
+        self.on_restored = on_restored
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
         self._pending: Future | None = None
 
@@ -314,5 +316,5 @@ class CheckpointManager:
         if source is None:
             return None
         state = self.trainer.load_checkpoint(source)
-        log.info("resumed from %s (step %d)", source, state["step"])
+        self.on_restored(source, state["step"])
         return state

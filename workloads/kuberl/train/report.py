@@ -78,6 +78,9 @@ class StatusReporter:
         log.info("checkpoint step %d complete: %s", step, uri)
         self._patch({"lastCheckpoint": {"uri": uri, "step": step, "time": _now()}})
 
+    def resumed(self, uri: str, step: int) -> None:
+        log.info("resumed from %s (step %d)", uri, step)
+
     def failed(self, attempt: int, reason: str, message: str) -> None:
         """The job's own input is at fault (status.workloadError): the operator fails the job
         instead of restarting it. Everyone who may read the job reads this, so the pod's Secret
