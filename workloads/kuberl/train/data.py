@@ -255,7 +255,9 @@ def load_prompts(path: str | Path, *, prompt_field: str = "prompt", answer_field
         if count == len(prompts) and name in must_match:
             raise DataError(f"{spec_field}.uri: {path}: no row has field {optional[name]!r} (spec.data.{name}); "
                             f"the rows' fields are {sorted(fields)[:50]} (a dotted path reaches nested ones)")
-        if count:
+        # Metadata fields absent from every row are simply not used by this data set (kuberl's own
+        # tiny data has none): no warning. A field some rows lack, or an answer no row has, is worth one.
+        if count and not (count == len(prompts) and name in ("dataSourceField", "extraInfoField")):
             log.warning("%s.uri: %s: %d of %d rows have no field %r (spec.data.%s)", spec_field, path, count,
                         len(prompts), optional[name], name)
     return prompts
