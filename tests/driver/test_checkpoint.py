@@ -262,3 +262,33 @@ def test_restore_refuses_planted_values_in_shards_and_rank_state(s3, tmp_path, r
         assert not marker.exists()
     finally:
         saver.close()
+
+
+class _EnumByName:
+    """What Python 3.11.13+ (the images') writes for an enum member in a .metadata."""
+
+    def __init__(self, cls, name):
+        self.cls, self.name = cls, name
+
+    def __reduce__(self):
+        return (getattr, (self.cls, self.name))
+
+
+def test_metadata_may_name_enum_members_by_getattr_and_nothing_else():
+    """The in-pods e2e restored a 2-rank checkpoint whose .metadata named builtins.getattr (the
+    memory-format enum, pickled by name); the allow-list refused it until getattr was allowed for
+    the members of allowed enums, and only for them."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
+
+    from kuberl.storage.errors import StorageError
+    from kuberl.train.dcp_read import _MetadataUnpickler, load_metadata
+
+    import io
+
+    member = _EnumByName(_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT")
+    assert _MetadataUnpickler(io.BytesIO(pickle.dumps(member, protocol=4))).load() is \
+        _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    with pytest.raises(StorageError, match=r"getattr\(Metadata, '__init__'\)"):
+        load_metadata(pickle.dumps(_EnumByName(Metadata, "__init__"), protocol=4), "s3://b/step/.metadata")

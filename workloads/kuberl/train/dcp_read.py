@@ -17,6 +17,7 @@ resumes from, but cannot run code in the trainers.
 
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 import re
@@ -58,10 +59,23 @@ class _MetadataUnpickler(pickle.Unpickler):
     extension code resolves through ``find_class``; persistent ids are refused by default."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if (module, name) in _METADATA_GLOBALS or (
                 module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"it names {module}.{name}, which dcp never writes into {METADATA}")
+
+
+def _enum_member(cls: Any, name: Any) -> Any:
+    """``builtins.getattr`` as a .metadata may use it: Python 3.11.13+ (the images' Python) pickles
+    an enum member as ``getattr(EnumClass, "NAME")`` (``TensorProperties``' memory format,
+    ``_MEM_FORMAT_ENCODING``). Only a member of an enum the allow-list let through is given; any
+    other attribute of anything is refused."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"it asks for getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}), "
+                                 f"which is no member of an enum dcp writes")
 
 
 def load_metadata(data: bytes, where: str) -> Metadata:
