@@ -75,7 +75,7 @@ def accepted_spec(job: t.RLTrainingJob, observed: o.Observed) -> dict[str, Any] 
     cm = observed.config_map
     if not cm or CONFIG_FILE not in (cm.get("data") or {}):
         return None
-    return (yaml.safe_load(cm["data"][CONFIG_FILE]) or {}).get("spec")
+    return (yaml.load(cm["data"][CONFIG_FILE], Loader=plans.YAML_LOADER) or {}).get("spec")
 
 
 def written_plan(observed: o.Observed) -> plans.RunPlan | None:
