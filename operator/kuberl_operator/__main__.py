@@ -75,7 +75,7 @@ async def run(args: argparse.Namespace) -> None:
     operator_settings.posting.level = logging.WARNING
     operator_settings.watching.server_timeout = 300
     operator_settings.persistence.diffbase_storage = NoDiffBase()
-    resync = asyncio.create_task(controller.resync_forever())
+    resync = asyncio.create_task(controller.queue.resync_forever())
     try:
         await kopf.operator(
             registry=registry,

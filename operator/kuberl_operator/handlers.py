@@ -6,10 +6,8 @@ triggers one reconcile of that job, and the reconcile runs the pure plan from ``
   operator never mistakes "not listed yet" for "missing" and creates a duplicate.
 - ``kopf.on.event`` handlers (RLTrainingJob creation, update, resumption after an operator restart
   and deletion all arrive as events; so do changes of owned objects) trigger a reconcile of the
-  owning job. Triggers that arrive while one is waiting coalesce; one job never reconciles twice
-  at once.
-- A resync loop re-triggers every job periodically (the safety net of level-triggered
-  controllers), and a plan's ``requeue_after`` (restart backoff, TTL) schedules one more.
+  owning job through the work queue (``workqueue``: one reconcile per job at a time, coalesced
+  triggers, the resync, a plan's ``requeue_after`` and our own status writes).
 """
 
 from __future__ import annotations
@@ -31,10 +29,10 @@ from kuberl_operator.kube import Kube
 from kuberl_operator.metrics import Metrics
 from kuberl_operator.reconcile import Event, Plan, Settings, next_action
 from kuberl_operator.status import status_changed
+from kuberl_operator.workqueue import Key, WorkQueue
 
 log = logging.getLogger("kuberl_operator")
 JOB_LABEL = "kuberl.dev/job"
-Key = tuple[str, str]
 
 
 def _plain(value: Any) -> Any:
@@ -50,18 +48,6 @@ def _slim_meta(meta: Any) -> dict[str, Any]:
     return {k: _plain(meta[k]) for k in ("name", "labels", "annotations", "ownerReferences", "uid") if k in meta}
 
 
-def _newer(cached: dict[str, Any], written: dict[str, Any] | None) -> dict[str, Any]:
-    """The newer of two copies of one object. resourceVersion is opaque by contract, but the API
-    server's are etcd revisions; anything not an integer falls back to the watch's copy."""
-    if written is None or written["metadata"].get("uid") != cached["metadata"].get("uid"):
-        return cached
-    try:
-        newer = int(written["metadata"]["resourceVersion"]) > int(cached["metadata"]["resourceVersion"])
-    except (KeyError, ValueError):
-        return cached
-    return written if newer else cached
-
-
 def _owned_by(obj: dict[str, Any], uid: str | None) -> bool:
     return any(ref.get("uid") == uid for ref in obj.get("metadata", {}).get("ownerReferences") or [])
 
@@ -74,12 +60,8 @@ class Controller:
         self.settings = settings
         self.metrics = metrics
         self.indices: dict[str, Any] = {}
-        self._locks: dict[Key, asyncio.Lock] = {}
-        self._waiting: set[Key] = set()
-        self._timers: dict[Key, asyncio.TimerHandle] = {}
-        # The job as our own last status write returned it: the watch may not have delivered it
-        # yet, and reconciling from the older cached copy would repeat transitions and events.
-        self._written: dict[Key, dict[str, Any]] = {}
+        self.queue = WorkQueue(self._reconcile_key, lambda: list(self.indices.get("jobs_by_key") or []),
+                               settings.resync_seconds)
 
     # -- what the watches hold --------------------------------------------------------------
 
@@ -108,50 +90,13 @@ class Controller:
         pods = [p for p in pods if cluster_name and p["metadata"].get("labels", {}).get("ray.io/cluster") == cluster_name]
         return o.Observed(ray_jobs=ray_jobs, config_map=config_map, ray_cluster=cluster, pods=pods)
 
-    # -- triggering ------------------------------------------------------------------------
-
-    async def trigger(self, key: Key) -> None:
-        """Reconcile ``key`` now; triggers arriving while one waits for the lock are merged."""
-        if key in self._waiting:
-            return
-        self._waiting.add(key)
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            self._waiting.discard(key)
-            body = self._one("jobs_by_key", key)
-            if body is None:
-                self.forget(key)
-                return
-            body = _newer(body, self._written.get(key))
-            requeue = await asyncio.to_thread(self.reconcile, body)
-        if requeue is not None:
-            self._schedule(key, requeue)
-
-    def _schedule(self, key: Key, delay: float) -> None:
-        loop = asyncio.get_running_loop()
-        due = loop.time() + delay
-        handle = self._timers.get(key)
-        pending = handle is not None and not handle.cancelled() and handle.when() > loop.time()
-        if pending and handle.when() <= due:
-            return
-        if handle is not None:
-            handle.cancel()
-        self._timers[key] = loop.call_at(due, lambda: asyncio.ensure_future(self.trigger(key)))
-
-    def forget(self, key: Key) -> None:
-        handle = self._timers.pop(key, None)
-        if handle is not None:
-            handle.cancel()
-        self._locks.pop(key, None)
-        self._written.pop(key, None)
-
-    async def resync_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.resync_seconds)
-            jobs = self.indices.get("jobs_by_key")
-            if jobs is not None:
-                for key in list(jobs):
-                    asyncio.ensure_future(self.trigger(key))
+    async def _reconcile_key(self, key: Key) -> float | None:
+        """``WorkQueue``'s reconcile: the job's newest copy, reconciled in a worker thread."""
+        body = self._one("jobs_by_key", key)
+        if body is None:
+            self.queue.forget(key)
+            return None
+        return await asyncio.to_thread(self.reconcile, self.queue.state.latest(key, body))
 
     # -- one reconcile (runs in a worker thread: the kubernetes client blocks) -----------------
 
@@ -192,7 +137,7 @@ class Controller:
         if status_changed(body.get("status"), plan.status):
             written = self.kube.merge_patch(t.KIND, ns, name, {"status": plan.status}, subresource="status")
             written["metadata"].pop("managedFields", None)
-            self._written[(ns, name)] = written
+            self.queue.state.record_write((ns, name), written)
         events = plan.events
         for obj in plan.apply:
             if obj["kind"] != "RayJob":
@@ -281,11 +226,11 @@ def register(registry: kopf.OperatorRegistry) -> None:
     async def job_changed(namespace, name, type, memo, **kwargs):
         controller = _capture(memo, kwargs)
         if type == "DELETED":
-            controller.forget((namespace, name))
+            controller.queue.forget((namespace, name))
             return
-        await controller.trigger((namespace, name))
+        await controller.queue.trigger((namespace, name))
 
     for group_version_plural in (("ray.io", "v1", "rayjobs"), ("ray.io", "v1", "rayclusters"), ("v1", "pods")):
         @kopf.on.event(*group_version_plural, id=f"{group_version_plural[-1]}_changed", **owned)
         async def owned_changed(namespace, labels, memo, **kwargs):
-            await _capture(memo, kwargs).trigger((namespace, labels[JOB_LABEL]))
+            await _capture(memo, kwargs).queue.trigger((namespace, labels[JOB_LABEL]))

@@ -14,6 +14,7 @@ job's ConfigMap when the current attempt was created; restarts render from it to
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -74,16 +75,13 @@ def accepted_spec(job: t.RLTrainingJob, observed: o.Observed) -> dict[str, Any] 
     cm = observed.config_map
     if not cm or CONFIG_FILE not in (cm.get("data") or {}):
         return None
-    return (yaml.safe_load(cm["data"][CONFIG_FILE]) or {}).get("spec")
+    return (yaml.load(cm["data"][CONFIG_FILE], Loader=plans.YAML_LOADER) or {}).get("spec")
 
 
-def plan_in_effect(job: t.RLTrainingJob, observed: o.Observed, attempt: int) -> plans.RunPlan:
-    """The run plan the current attempt runs with: the one in its ConfigMap, else the one the
-    spec in effect gives."""
+def written_plan(observed: o.Observed) -> plans.RunPlan | None:
+    """The run plan in the job's ConfigMap (the one its newest attempt was created with), if any."""
     data = (observed.config_map or {}).get("data") or {}
-    if plans.PLAN_FILE in data:
-        return plans.read(data[plans.PLAN_FILE])
-    return plans.for_cluster(effective_job(job, observed), attempt)
+    return plans.read(data[plans.PLAN_FILE]) if plans.PLAN_FILE in data else None
 
 
 def _spec_dict(job: t.RLTrainingJob) -> dict[str, Any]:
@@ -115,8 +113,11 @@ def effective_job(job: t.RLTrainingJob, observed: o.Observed) -> t.RLTrainingJob
     return job.model_copy(update={"spec": t.RLTrainingJobSpec.model_validate(spec)})
 
 
-def desired_objects(job: t.RLTrainingJob, observed: o.Observed, attempt: int | None = None) -> list[dict[str, Any]]:
-    """The objects of ``attempt`` (default: the current one), rendered from the spec in effect.
+def desired_objects(job: t.RLTrainingJob, observed: o.Observed, attempt: int | None = None, *,
+                    effective: t.RLTrainingJob | None = None, plan: plans.RunPlan | None = None) -> list[dict[str, Any]]:
+    """The objects of ``attempt`` (default: the current one), rendered from the spec in effect
+    (``effective``, if the caller has it) and ``plan``, the attempt's run plan (built here if not
+    given: a reconcile builds it once and passes it to the status too).
 
     A restart resumes from the newest complete checkpoint under spec.checkpoint.uri, decided by
     the spec alone (``kuberl.plan.resume``): status.lastCheckpoint is the workload's to write and
@@ -125,7 +126,7 @@ def desired_objects(job: t.RLTrainingJob, observed: o.Observed, attempt: int | N
     """
     if attempt is None:
         attempt = current_attempt(job, observed)
-    objects = render(effective_job(job, observed), attempt=attempt)
+    objects = render(effective or effective_job(job, observed), attempt=attempt, plan=plan)
     if job.spec.suspend:
         objects[-1]["spec"]["suspend"] = True
     return objects
@@ -207,9 +208,15 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
     status_attempt = attempt
     suspend = None
     suspend_wait = None
+    # Built once per reconcile, and only when needed: the spec in effect, and the run plans of the
+    # attempt the status describes (the ConfigMap's, else the spec's) and of the attempt to create.
+    effective = functools.cache(lambda: effective_job(job, observed))
+    in_effect = written_plan(observed)
 
     if ray_job is None:
-        plan_apply = desired_objects(job, observed, attempt)
+        run_plan = plans.for_cluster(effective(), attempt)
+        in_effect = in_effect or run_plan
+        plan_apply = desired_objects(job, observed, attempt, effective=effective(), plan=run_plan)
         events.append(Event("Normal", "Creating", f"creating RayJob {name} (attempt {attempt})"))
     elif o.failed(ray_job) and not o.validation_failed(ray_job) and not job.spec.suspend \
             and current_workload_error(job, attempt) is None:
@@ -221,7 +228,8 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
                 restart_in, requeue = left, left
             else:
                 status_attempt = attempt + 1
-                plan_apply = desired_objects(job, observed, status_attempt)
+                plan_apply = desired_objects(job, observed, status_attempt, effective=effective(),
+                                             plan=plans.for_cluster(effective(), status_attempt))
                 delete.append(name)
                 ray_job = None
                 events.append(Event("Warning", "Restarting",
@@ -244,7 +252,7 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
 
     cluster = observed.ray_cluster if ray_job is not None else None
     pods = observed.pods if ray_job is not None else []
-    status = compute_status(job, plan_in_effect(job, observed, attempt), ray_job, cluster, pods, now,
+    status = compute_status(job, in_effect or plans.for_cluster(effective(), attempt), ray_job, cluster, pods, now,
                             attempt=status_attempt, refused=refused,
                             restart_in=restart_in, suspend_wait=suspend_wait)
     plan = Plan(status=status, apply=plan_apply, suspend=suspend, delete_ray_jobs=delete, events=events,

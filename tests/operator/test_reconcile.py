@@ -29,6 +29,16 @@ def test_new_job_creates_identity_config_and_rayjob_in_order():
     assert next_action(job(), observed(), NOW, SETTINGS).apply == plan.apply
 
 
+def test_a_reconcile_builds_the_run_plan_once(monkeypatch):
+    """Creating an attempt renders its ConfigMap and RayJob and computes its status from one plan."""
+    built = []
+    for_cluster = plans.for_cluster
+    monkeypatch.setattr(plans, "for_cluster", lambda *a, **kw: built.append(a) or for_cluster(*a, **kw))
+    plan = next_action(job(), observed(), NOW, SETTINGS)
+    assert len(built) == 1
+    assert plans.read(plan.apply[3]["data"][plans.PLAN_FILE]) == for_cluster(job(), 0)
+
+
 def test_existing_rayjob_is_adopted_not_recreated():
     plan = next_action(job(), observed(ray_job("tiny", deployment="Running")), NOW, SETTINGS)
     assert plan.apply == [] and plan.delete_ray_jobs == []

@@ -351,9 +351,9 @@ def _worker_group(job: t.RLTrainingJob, group: str, replicas: int, res: t.Resour
     }
 
 
-def render_ray_job(job: t.RLTrainingJob, *, attempt: int = 0) -> dict[str, Any]:
+def render_ray_job(job: t.RLTrainingJob, *, attempt: int = 0, plan: plans.RunPlan | None = None) -> dict[str, Any]:
     spec = job.spec
-    plan = plans.for_cluster(job, attempt)
+    plan = plan or plans.for_cluster(job, attempt)
     topo = plan.topology
     groups = [_worker_group(job, TRAINER_GROUP, topo.trainer_pods, spec.trainer.resources,
                             spec.trainer.gpus_per_replica, plan)]
@@ -404,14 +404,14 @@ def resolved_config(job: t.RLTrainingJob, *, attempt: int = 0) -> dict[str, Any]
     }
 
 
-def render_config_map(job: t.RLTrainingJob, *, attempt: int = 0) -> dict[str, Any]:
+def render_config_map(job: t.RLTrainingJob, *, attempt: int = 0, plan: plans.RunPlan | None = None) -> dict[str, Any]:
     config = resolved_config(job, attempt=attempt)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(job, config_map_name(job), "config"),
         "data": {CONFIG_FILE: yaml.safe_dump(config, sort_keys=False),
-                 plans.PLAN_FILE: plans.for_cluster(job, attempt).dump()},
+                 plans.PLAN_FILE: (plan or plans.for_cluster(job, attempt)).dump()},
     }
 
 
@@ -457,15 +457,21 @@ def check_runnable_in_pods(job: t.RLTrainingJob) -> None:
                           "offline to write the run for a later `wandb sync`")
 
 
-def render(job: t.RLTrainingJob, *, attempt: int = 0) -> list[dict[str, Any]]:
+def render(job: t.RLTrainingJob, *, attempt: int = 0, plan: plans.RunPlan | None = None) -> list[dict[str, Any]]:
     """Every object for ``job``, in the order to apply them (identity and config before the RayJob).
-    What an attempt restores comes from the spec alone (``kuberl.plan.resume``)."""
+    What an attempt restores comes from the spec alone (``kuberl.plan.resume``). ``plan``:
+    ``plans.for_cluster(job, attempt)`` when the caller has built it already; built here once
+    otherwise, for the ConfigMap and the RayJob alike."""
     check_runnable_in_pods(job)
+    if plan is None:
+        plan = plans.for_cluster(job, attempt)
+    elif plan.attempt != attempt:
+        raise ValueError(f"the run plan is attempt {plan.attempt}'s, not attempt {attempt}'s")
     return [
         *render_workload_identity(job),
-        render_config_map(job, attempt=attempt),
+        render_config_map(job, attempt=attempt, plan=plan),
         render_network_policy(job, attempt),
-        render_ray_job(job, attempt=attempt),
+        render_ray_job(job, attempt=attempt, plan=plan),
     ]
 
 

@@ -1,0 +1,160 @@
+"""The operator's work queue: which job reconciles when, apart from what a reconcile does.
+
+Like client-go's workqueue and KubeRay's ``expectations`` package, the bookkeeping is a pure state
+(``QueueState``: plain sets and dicts, the clock passed in) whose transitions are unit-tested on
+their own; ``WorkQueue`` only wires it to asyncio.
+
+- **One at a time, coalesced.** A job never reconciles twice at once. A trigger arriving while
+  its job reconciles marks it to run once more afterwards; any further triggers until then merge
+  into that one run (the reconcile reads the newest cached object, so nothing is lost).
+- **Requeue timers.** A plan's ``requeue_after`` (restart backoff, TTL, a suspend's checkpoint
+  wait) schedules one more reconcile; of two pending deadlines for a job the earlier wins.
+- **Write tracking.** The job as our own last status write returned it: the watch may not have
+  delivered it yet, and reconciling from the older cached copy would repeat transitions and events.
+- **Resync.** Every job is triggered every ``resync_seconds``, the safety net of a
+  level-triggered controller.
+
+kopf's indices hold what the watches saw (``handlers``). kopf's own ``@kopf.timer`` does not
+serve for the resync or the requeues: it puts a finalizer on every job (one more write per job,
+and deleting a job would then wait for the operator), and its interval is fixed per handler, not
+per plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+Key = tuple[str, str]  # (namespace, name) of an RLTrainingJob
+
+
+def newer(cached: dict[str, Any], written: dict[str, Any] | None) -> dict[str, Any]:
+    """The newer of two copies of one object. resourceVersion is opaque by contract, but the API
+    server's are etcd revisions; anything not an integer falls back to the watch's copy."""
+    if written is None or written["metadata"].get("uid") != cached["metadata"].get("uid"):
+        return cached
+    try:
+        is_newer = int(written["metadata"]["resourceVersion"]) > int(cached["metadata"]["resourceVersion"])
+    except (KeyError, ValueError):
+        return cached
+    return written if is_newer else cached
+
+
+@dataclass
+class QueueState:
+    """The queue's state; every method is a pure transition (times are the caller's clock)."""
+
+    running: set[Key] = field(default_factory=set)
+    again: set[Key] = field(default_factory=set)   # triggered while running: run once more
+    due: dict[Key, float] = field(default_factory=dict)
+    written: dict[Key, dict[str, Any]] = field(default_factory=dict)
+
+    def request(self, key: Key) -> bool:
+        """A trigger for ``key``: True if the caller is to reconcile it now, False if it merged
+        into the run in flight (which then runs once more)."""
+        if key in self.running:
+            self.again.add(key)
+            return False
+        self.running.add(key)
+        return True
+
+    def finished(self, key: Key) -> bool:
+        """A reconcile of ``key`` ended: True if a trigger arrived meanwhile and it is to run again."""
+        if key in self.again:
+            self.again.discard(key)
+            return True
+        self.running.discard(key)
+        return False
+
+    def abandon(self, key: Key) -> None:
+        """A reconcile of ``key`` was cancelled (the operator stops): nothing runs for it any more."""
+        self.running.discard(key)
+        self.again.discard(key)
+
+    def schedule(self, key: Key, at: float, now: float) -> bool:
+        """Ask for a reconcile of ``key`` at ``at``: True if that is a new deadline (the timer is to
+        be (re)armed), False if an earlier one is still pending."""
+        pending = self.due.get(key)
+        if pending is not None and now < pending <= at:
+            return False
+        self.due[key] = at
+        return True
+
+    def fire(self, key: Key, at: float) -> bool:
+        """The timer armed for ``at`` went off: True if it is still the deadline of ``key``."""
+        if self.due.get(key) != at:
+            return False
+        del self.due[key]
+        return True
+
+    def record_write(self, key: Key, obj: dict[str, Any]) -> None:
+        self.written[key] = obj
+
+    def latest(self, key: Key, cached: dict[str, Any]) -> dict[str, Any]:
+        """The copy of job ``key`` to reconcile from: the cached one or our own newer write."""
+        return newer(cached, self.written.get(key))
+
+    def forget(self, key: Key) -> None:
+        """``key`` is gone: drop its deadline and its written copy."""
+        self.due.pop(key, None)
+        self.written.pop(key, None)
+
+
+class WorkQueue:
+    """``QueueState`` driven by the running asyncio loop.
+
+    ``reconcile(key)`` reconciles one job and returns seconds until it wants another look, or None;
+    ``keys()`` lists every job (for the resync).
+    """
+
+    def __init__(self, reconcile: Callable[[Key], Awaitable[float | None]], keys: Callable[[], Iterable[Key]],
+                 resync_seconds: float) -> None:
+        self.reconcile = reconcile
+        self.keys = keys
+        self.resync_seconds = resync_seconds
+        self.state = QueueState()
+        self._timers: dict[Key, asyncio.TimerHandle] = {}
+
+    async def trigger(self, key: Key) -> None:
+        """Reconcile ``key`` now, or once more after the run in flight."""
+        if not self.state.request(key):
+            return
+        again = True
+        while again:
+            try:
+                requeue = await self.reconcile(key)
+            except BaseException:
+                self.state.abandon(key)
+                raise
+            if requeue is not None:
+                self.requeue(key, requeue)
+            again = self.state.finished(key)
+
+    def requeue(self, key: Key, delay: float) -> None:
+        loop = asyncio.get_running_loop()
+        at = loop.time() + delay
+        if not self.state.schedule(key, at, loop.time()):
+            return
+        old = self._timers.pop(key, None)
+        if old is not None:
+            old.cancel()
+        self._timers[key] = loop.call_at(at, self._fire, key, at)
+
+    def _fire(self, key: Key, at: float) -> None:
+        if self.state.fire(key, at):
+            self._timers.pop(key, None)
+            asyncio.ensure_future(self.trigger(key))
+
+    def forget(self, key: Key) -> None:
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        self.state.forget(key)
+
+    async def resync_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.resync_seconds)
+            for key in list(self.keys()):
+                asyncio.ensure_future(self.trigger(key))
