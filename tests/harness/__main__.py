@@ -1,4 +1,4 @@
-"""`python -m tests.cluster build|images|up|down`: the test control plane by hand.
+"""`python -m tests.harness build|images|up|down`: the test control plane by hand.
 
 build   build every missing component into ~/.cache/kuberl/bin (idempotent)
 images  build the images of images/ (and the local base, the pause image) with podman (cached)
@@ -20,8 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-from tests.cluster.build import BuildError, build
-from tests.cluster.components import cache_dir
+from tests.harness.build import BuildError, build
+from tests.harness.components import cache_dir
 
 
 def _state_file() -> Path:
@@ -40,7 +40,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 
 def _cmd_images(args: argparse.Namespace) -> int:
-    from tests.cluster import images
+    from tests.harness import images
 
     began = time.monotonic()
     try:
@@ -53,7 +53,7 @@ def _cmd_images(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from tests.cluster.harness import Cluster
+    from tests.harness.harness import Cluster
 
     state = _state_file()
     if state.exists():
@@ -79,7 +79,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"  {step:36s} {seconds:7.2f} s")
     print(f"logs: {cluster.log_dir}")
     print(f"export KUBECONFIG={cluster.kubeconfig}")
-    print("Ctrl-C or `python -m tests.cluster down` stops it.", flush=True)
+    print("Ctrl-C or `python -m tests.harness down` stops it.", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -116,7 +116,7 @@ def _cmd_down(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m tests.harness", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p_build = sub.add_parser("build", help="build missing components")
     p_build.add_argument("components", nargs="*", help="component names (default: all)")

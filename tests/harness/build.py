@@ -19,7 +19,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.cluster.components import (
+from tests.harness.components import (
     COMPONENTS,
     GO_MIN_VERSION,
     Component,

@@ -1,4 +1,4 @@
-"""`python -m tests.cluster.forward NETNS PORT...`: host 127.0.0.1:PORT -> NETNS's 127.0.0.1:PORT.
+"""`python -m tests.harness.forward NETNS PORT...`: host 127.0.0.1:PORT -> NETNS's 127.0.0.1:PORT.
 
 With real nodes the whole control plane runs inside the harness's network namespace (the nodes
 must reach the API server and the API server its kubelets, on node addresses that exist only

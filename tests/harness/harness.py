@@ -3,7 +3,7 @@
 etcd, kube-apiserver (TLS, RBAC, service-account tokens), kube-controller-
 manager, kube-scheduler, KWOK (fake GPU nodes whose pods it reports Running)
 and the KubeRay operator, the way controller-runtime's envtest runs a control
-plane without containers. Binaries come from `python -m tests.cluster build`.
+plane without containers. Binaries come from `python -m tests.harness build`.
 CRDs: RayCluster, RayJob and RayService from the KubeRay operator's own Go
 module, the version that runs (see kuberay_crds()).
 
@@ -35,11 +35,11 @@ from typing import Callable
 
 import yaml
 
-from tests.cluster import images, pki
-from tests.cluster import nodes as realnodes
-from tests.cluster.build import missing_components
-from tests.cluster.components import binary_path, cache_dir, data_path
-from tests.cluster.processes import ComponentExited, Process
+from tests.harness import images, pki
+from tests.harness import nodes as realnodes
+from tests.harness.build import missing_components
+from tests.harness.components import binary_path, cache_dir, data_path
+from tests.harness.processes import ComponentExited, Process
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
@@ -65,7 +65,7 @@ def kuberay_crds() -> tuple[dict, ...]:
     once per process (about 3.5 MB of YAML; libyaml's loader when PyYAML has it). Read-only."""
     path = data_path("kuberay-operator")
     if not path.is_file():
-        raise ClusterError(f"KubeRay CRDs not built ({path}); run `python -m tests.cluster build`")
+        raise ClusterError(f"KubeRay CRDs not built ({path}); run `python -m tests.harness build`")
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     return tuple(crd for crd in yaml.load_all(path.read_text(), Loader=loader) if crd)
 
@@ -137,7 +137,7 @@ class Cluster:
         """`kuberay=False`: neither the KubeRay CRDs nor its operator (a faster, plain cluster).
         `real_nodes=N`: N real nodes (containerd + kubelet) beside the `nodes` KWOK ones, with
         kube-proxy and CoreDNS; the control plane then runs in the cluster's network namespace
-        (tests/cluster/nodes.py) and its ports are forwarded to the host's loopback."""
+        (tests/harness/nodes.py) and its ports are forwarded to the host's loopback."""
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kuberl-cluster-"))
         self.log_dir = self.workdir / "logs"
         self.pki_dir = self.workdir / "pki"
@@ -177,7 +177,7 @@ class Cluster:
     def start(self) -> "Cluster":
         missing = missing_components()
         if missing:
-            raise ClusterError(f"components not built: {missing}; run `python -m tests.cluster build` first")
+            raise ClusterError(f"components not built: {missing}; run `python -m tests.harness build` first")
         for directory in (self.log_dir, self.pki_dir):
             directory.mkdir(parents=True, exist_ok=True)
         atexit.register(self.stop)
@@ -463,7 +463,7 @@ class Cluster:
     def _nodes_ready(self) -> bool:
         return set(self.node_names) <= self._ready_nodes()
 
-    # -- real nodes (tests/cluster/nodes.py) ------------------------------------------
+    # -- real nodes (tests/harness/nodes.py) ------------------------------------------
 
     def _make_network(self) -> None:
         if os.geteuid() != 0:

@@ -6,7 +6,7 @@ import json
 import time
 from typing import Any, Callable
 
-from tests.cluster.harness import Cluster
+from tests.harness.harness import Cluster
 
 
 def wait_for(what: str, probe: Callable[[], Any], cluster: Cluster, timeout: float = 60, interval: float = 0.25) -> Any:

@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.cluster.build import BuildError, _cache_lock
-from tests.cluster.components import KUBERNETES_VERSION, cache_dir
+from tests.harness.build import BuildError, _cache_lock
+from tests.harness.components import KUBERNETES_VERSION, cache_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 IMAGES_DIR = REPO_ROOT / "images"
@@ -183,7 +183,7 @@ def build_pause(out=sys.stdout) -> float:
 
 
 def _kubernetes_source() -> Path:
-    from tests.cluster.build import _go_env, check_go
+    from tests.harness.build import _go_env, check_go
 
     go = check_go()
     workdir = cache_dir() / "build" / f"kubernetes-{KUBERNETES_VERSION}"

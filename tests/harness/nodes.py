@@ -6,7 +6,7 @@ interface holding the API server's, the nodes' and CoreDNS's addresses, the pods
 `ptp`: every pod packet is routed by the namespace's own stack, so kube-proxy's iptables rules see
 all of it), and kube-proxy's rules. Nothing listens on or sends to an address outside loopback and
 that namespace; the host's tests reach the control plane's loopback ports through
-tests/cluster/forward.py. The namespace has no route out: an image pull from a registry fails at
+tests/harness/forward.py. The namespace has no route out: an image pull from a registry fails at
 once.
 
 Each node is a Debian containerd 1.6 (kubelet v1.36 still accepts its CRI: without the
@@ -219,7 +219,7 @@ class SessionCgroup:
 CAP_SYS_RESOURCE = 24
 
 _RUNC_WRAPPER = """#!/bin/sh
-# Written by the kuberl test harness (tests/cluster/nodes.py). This machine withholds
+# Written by the kuberl test harness (tests/harness/nodes.py). This machine withholds
 # CAP_SYS_RESOURCE even from root, so no process may lower its oom_score_adj below 0, and runc
 # fails to create a container whose spec asks for it ("failed to update /proc/self/oom_score_adj:
 # Permission denied"). kubelet asks for -998 (pod sandboxes) and -997 (Guaranteed pods): raise

@@ -1,7 +1,7 @@
 """pytest plugin: a session-scoped real control plane (`k8s_cluster`), and one with real
-nodes (`real_cluster`: containerd + kubelet, kube-proxy, CoreDNS; tests/cluster/nodes.py).
+nodes (`real_cluster`: containerd + kubelet, kube-proxy, CoreDNS; tests/harness/nodes.py).
 
-Enable with `pytest_plugins = ["tests.cluster.plugin"]` in tests/conftest.py
+Enable with `pytest_plugins = ["tests.harness.plugin"]` in tests/conftest.py
 and mark tests that use it with `@pytest.mark.cluster`. The first test that
 asks for `k8s_cluster` builds missing components (skipping only when Go is
 missing; a failed build fails loudly) and starts the cluster once; it is
@@ -18,9 +18,9 @@ import pytest
 
 import os
 
-from tests.cluster.build import GoToolchainError, build, missing_components
-from tests.cluster.harness import Cluster
-from tests.cluster.nodes import host_tools_missing
+from tests.harness.build import GoToolchainError, build, missing_components
+from tests.harness.harness import Cluster
+from tests.harness.nodes import host_tools_missing
 
 _session_clusters: dict[str, Cluster] = {}
 # Two real nodes, so that pods are really apart; no KWOK nodes, so that every pod runs for real.

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster.build import GoToolchainError, build, missing_components
-from tests.cluster.components import binary_path
-from tests.cluster.harness import REPO_ROOT
+from tests.harness.build import GoToolchainError, build, missing_components
+from tests.harness.components import binary_path
+from tests.harness.harness import REPO_ROOT
 
 CHART = REPO_ROOT / "charts" / "kuberl"
 

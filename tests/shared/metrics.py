@@ -1,3 +1,6 @@
+"""Prometheus for the metrics tests of every tier (a pytest plugin, tests/conftest.py): the built
+prometheus/promtool binaries, and worker feeds (tests/shared/worker_feed.py) as scrape targets."""
+
 from __future__ import annotations
 
 import os
@@ -8,8 +11,8 @@ import urllib.request
 
 import pytest
 
-from tests.cluster.harness import REPO_ROOT, free_port
-from tests.metrics.prometheus import MISSING, binaries
+from tests.harness.harness import REPO_ROOT, free_port
+from tests.shared.prometheus import MISSING, binaries
 
 
 @pytest.fixture(scope="session")
@@ -21,12 +24,12 @@ def prometheus_binaries() -> tuple[str, str]:
 
 
 class WorkerFeed:
-    """tests.metrics.worker_feed as a subprocess on a free loopback port."""
+    """tests.shared.worker_feed as a subprocess on a free loopback port."""
 
     def __init__(self, job: str, namespace: str, role: str, rank: int) -> None:
         self.port = free_port()
         env = dict(os.environ, KUBERL_JOB_NAME=job, KUBERL_NAMESPACE=namespace)
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.metrics.worker_feed", str(self.port), role, str(rank)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.shared.worker_feed", str(self.port), role, str(rank)],
                                      cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while True:

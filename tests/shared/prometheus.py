@@ -14,16 +14,16 @@ from pathlib import Path
 
 import yaml
 
-from tests.cluster.components import binary_path, is_built
-from tests.cluster.harness import REPO_ROOT, free_port
+from tests.harness.components import binary_path, is_built
+from tests.harness.harness import REPO_ROOT, free_port
 
 DASHBOARDS = sorted((REPO_ROOT / "charts" / "kuberl" / "dashboards").glob("*.json"))
-MISSING = ("the real Prometheus server is not built: `python -m tests.cluster build prometheus promtool` "
+MISSING = ("the real Prometheus server is not built: `python -m tests.harness build prometheus promtool` "
            "(or .ci/setup) builds it from its Go module into ~/.cache/kuberl/bin")
 
 
 def binaries() -> tuple[str, str] | None:
-    """(prometheus, promtool) when built (tests/cluster/components.py pins their version)."""
+    """(prometheus, promtool) when built (tests/harness/components.py pins their version)."""
     if not (is_built("prometheus") and is_built("promtool")):
         return None
     return str(binary_path("prometheus")), str(binary_path("promtool"))

@@ -1,5 +1,6 @@
-"""Real object stores on loopback for the storage tests: moto's standalone S3 server (a
-subprocess, as s3fs's own tests run it) and fake-gcs-server (built from Go once, cached)."""
+"""Real object stores on loopback for every tier that needs one (a pytest plugin, tests/conftest.py):
+moto's standalone S3 server (a subprocess, as s3fs's own tests run it) and fake-gcs-server (built
+from Go once, cached)."""
 
 from __future__ import annotations
 

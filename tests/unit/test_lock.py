@@ -5,7 +5,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 UV = Path(sys.executable).with_name("uv")
 
 

@@ -72,7 +72,7 @@ def test_no_scheme_branches_outside_the_table():
     import re
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     branch = re.compile(r"\bscheme\s*(==|!=|in\s*[(\[{]|not\s+in\b)")
     found = [f"{path.relative_to(root)}:{n}: {line.strip()}"
              for folder in ("workloads", "operator") for path in sorted((root / folder).rglob("*.py"))

@@ -1,7 +1,7 @@
 """Our RLTrainingJob API against the real API server and the real KubeRay operator.
 
 The CRD (crds/), the examples (examples/), the bad-manifest table
-(tests/api/bad_manifests.py) and `kuberl.render.render_manifest` are the
+(tests/unit/api/bad_manifests.py) and `kuberl.render.render_manifest` are the
 foundation issue's; this checks that the API server agrees with them, and
 that it accepts every spec the API types allow and `kuberl render` accepts.
 """
@@ -16,10 +16,10 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, event, given, settings
 
-from tests.api.spec_strategies import local_verdict, manifests
-from tests.cluster.harness import REPO_ROOT
-from tests.cluster.helpers import get_json, wait_for
-from tests.cluster.test_kuberay import wait_for_running_ray_pods
+from tests.unit.api.spec_strategies import local_verdict, manifests
+from tests.harness.harness import REPO_ROOT
+from tests.harness.helpers import get_json, wait_for
+from tests.cluster.harness.test_kuberay import wait_for_running_ray_pods
 
 pytestmark = pytest.mark.cluster
 
@@ -30,7 +30,7 @@ TINY_EXAMPLE = REPO_ROOT / "examples" / "grpo-tiny-cpu.yaml"
 
 
 def _bad_manifests():
-    from tests.api.bad_manifests import BAD_MANIFESTS
+    from tests.unit.api.bad_manifests import BAD_MANIFESTS
 
     return BAD_MANIFESTS
 
@@ -128,7 +128,7 @@ SCHEDULING_WITHOUT_NODE_SELECTOR = {
                          ids=SCHEDULING_WITHOUT_NODE_SELECTOR.keys())
 def test_a_scheduling_block_without_node_selector_is_accepted(k8s_cluster, kuberl_crd, namespace, scheduling):
     from kuberl.render import render_manifest
-    from tests.api.bad_manifests import minimal_manifest
+    from tests.unit.api.bad_manifests import minimal_manifest
 
     manifest = minimal_manifest("scheduling")
     manifest["spec"]["scheduling"] = scheduling
@@ -159,7 +159,7 @@ def _server_verdict(cluster, namespace: str, manifest: dict) -> str | None:
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(manifest=manifests())
 def test_the_api_server_accepts_every_spec_render_accepts(k8s_cluster, kuberl_crd, namespace, manifest):
-    """Specs drawn from the API types (tests/api/spec_strategies.py), each to the API server in a
+    """Specs drawn from the API types (tests/unit/api/spec_strategies.py), each to the API server in a
     server-side dry run: every one `kuberl render` accepts, the server accepts; so what the
     server refuses, render refuses too (render may refuse more: its checks go deeper). Neither
     refuses one because a rule could not be evaluated. The namespace is shared by the examples:

@@ -13,7 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.cluster.harness import free_port
+from tests.harness.harness import free_port
 
 # Flags the local process must set itself; everything else comes from the Deployment.
 LOCAL_FLAGS = ("--metrics-port", "--metrics-address", "--liveness", "--kubeconfig")

@@ -8,9 +8,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.chart.conftest import CHART
-from tests.chart.operator_process import OperatorProcess
-from tests.cluster.helpers import wait_for
+from tests.shared.helm import CHART
+from tests.cluster.chart.operator_process import OperatorProcess
+from tests.harness.helpers import wait_for
 
 
 @dataclass

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.chart.release import install, uninstall
-from tests.cluster.harness import REPO_ROOT
-from tests.cluster.helpers import get_json, wait_for
+from tests.cluster.chart.release import install, uninstall
+from tests.harness.harness import REPO_ROOT
+from tests.harness.helpers import get_json, wait_for
 
 pytestmark = pytest.mark.cluster
 EXAMPLE = REPO_ROOT / "examples" / "grpo-tiny-cpu.yaml"

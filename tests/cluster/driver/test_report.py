@@ -9,7 +9,7 @@ import yaml
 
 from kuberl.render import render_manifest
 from kuberl.train.report import KubernetesStatusReporter, StatusReporter, reporter_from_env
-from tests.api.bad_manifests import minimal_manifest
+from tests.unit.api.bad_manifests import minimal_manifest
 
 pytestmark = pytest.mark.cluster
 

@@ -8,8 +8,8 @@ import urllib.request
 import kubernetes
 import pytest
 
-from tests.cluster.harness import GPU_PRODUCT
-from tests.cluster.helpers import apply, get_json, wait_for
+from tests.harness.harness import GPU_PRODUCT
+from tests.harness.helpers import apply, get_json, wait_for
 
 pytestmark = pytest.mark.cluster
 

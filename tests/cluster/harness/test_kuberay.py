@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.helpers import apply, get_json, pod_phases, wait_for
+from tests.harness.helpers import apply, get_json, pod_phases, wait_for
 
 pytestmark = pytest.mark.cluster
 

@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from tests.cluster.harness import REPO_ROOT
+from tests.harness.harness import REPO_ROOT
 
 pytestmark = pytest.mark.cluster
 
 _CHILD = """
 import json, sys, time
-from tests.cluster.harness import Cluster
+from tests.harness.harness import Cluster
 cluster = Cluster(nodes=1, kuberay={kuberay}).start()
 print(json.dumps({{"pids": [p.pid for p in cluster.processes], "workdir": str(cluster.workdir)}}), flush=True)
 {after}

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from tests.chart.release import install, uninstall
-from tests.cluster.harness import REPO_ROOT
-from tests.cluster.helpers import wait_for
-from tests.metrics.prometheus import (DASHBOARDS, PrometheusServer, check_rules_file, dashboard_queries,
+from tests.cluster.chart.release import install, uninstall
+from tests.harness.harness import REPO_ROOT
+from tests.harness.helpers import wait_for
+from tests.shared.prometheus import (DASHBOARDS, PrometheusServer, check_rules_file, dashboard_queries,
                                       finite_values, promql_of_label_values, substitute, template_variables)
 
 JOB, OPERATOR_SCRAPE_JOB = "grpo-tiny-cpu", "kuberl-operator"

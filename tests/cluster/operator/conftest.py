@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster.harness import REPO_ROOT, free_port
-from tests.cluster.helpers import wait_for
+from tests.harness.harness import REPO_ROOT, free_port
+from tests.harness.helpers import wait_for
 
 CRD_FILE = REPO_ROOT / "crds" / "rltrainingjobs.kuberl.dev.yaml"
 CHART = REPO_ROOT / "charts" / "kuberl"

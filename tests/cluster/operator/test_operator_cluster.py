@@ -13,8 +13,8 @@ import yaml
 
 from kuberl import plan as plans
 from kuberl.render import CONFIG_FILE
-from tests.cluster.helpers import apply, get_json, wait_for
-from tests.operator.conftest import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, example, get
+from tests.harness.helpers import apply, get_json, wait_for
+from tests.cluster.operator.conftest import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, example, get
 
 pytestmark = pytest.mark.cluster
 JOB = "grpo-tiny-cpu"

@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from kuberl.api.crd import generate_crd
-from tests.cluster.helpers import apply, get_json, wait_for
-from tests.operator.conftest import CRD_FILE, example
-from tests.operator.test_operator_cluster import JOB, conditions, owned, wait_phase
+from tests.harness.helpers import apply, get_json, wait_for
+from tests.cluster.operator.conftest import CRD_FILE, example
+from tests.cluster.operator.test_operator_cluster import JOB, conditions, owned, wait_phase
 
 pytestmark = pytest.mark.cluster
 

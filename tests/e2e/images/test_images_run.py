@@ -1,4 +1,4 @@
-"""The images of images/, built for real from their Dockerfiles (tests/cluster/images.py: podman,
+"""The images of images/, built for real from their Dockerfiles (tests/harness/images.py: podman,
 on the local Debian base) and run as pods on a real node: each entrypoint's `--help`, `id` as the
 non-root user the pods run as, and the worker-cpu image importing its training stack."""
 
@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from tests.cluster.helpers import apply, get_json, wait_for
+from tests.harness.helpers import apply, get_json, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_nodes, pytest.mark.slow]
 
@@ -56,7 +56,7 @@ def run_pod(cluster, namespace: str, node: str, name: str, image: str, container
 
 
 def public(name: str) -> str:
-    from tests.cluster.images import public_name
+    from tests.harness.images import public_name
 
     return public_name(name)
 

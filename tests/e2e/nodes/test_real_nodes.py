@@ -1,6 +1,6 @@
 """Real pods on real nodes: containerd + runc + CNI under a kubelet of the API server's release,
-kube-proxy and CoreDNS, all inside the cluster's own network namespace (tests/cluster/nodes.py).
-The pods run the local Debian base image the harness builds (tests/cluster/images.py)."""
+kube-proxy and CoreDNS, all inside the cluster's own network namespace (tests/harness/nodes.py).
+The pods run the local Debian base image the harness builds (tests/harness/images.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import uuid
 import psutil
 import pytest
 
-from tests.cluster.components import KUBERNETES_VERSION
-from tests.cluster.helpers import apply, get_json, wait_for
-from tests.cluster.nodes import CLUSTER_DOMAIN, REAL_NODE_LABEL
+from tests.harness.components import KUBERNETES_VERSION
+from tests.harness.helpers import apply, get_json, wait_for
+from tests.harness.nodes import CLUSTER_DOMAIN, REAL_NODE_LABEL
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_nodes]
 
@@ -157,7 +157,7 @@ def test_components_in_the_namespace_resolve_services_through_the_hosts_resolv_c
     where it runs as a pod: its lookups (to the host's name servers) are answered by CoreDNS."""
     import subprocess
 
-    from tests.cluster.nodes import host_resolvers
+    from tests.harness.nodes import host_resolvers
 
     assert host_resolvers(), "this machine's /etc/resolv.conf names no IPv4 name server to stand in for"
     name = f"kubernetes.default.svc.{CLUSTER_DOMAIN}"
@@ -167,7 +167,7 @@ def test_components_in_the_namespace_resolve_services_through_the_hosts_resolv_c
 
 
 def test_host_resolvers_reads_ipv4_name_servers_other_than_loopback(tmp_path):
-    from tests.cluster.nodes import host_resolvers
+    from tests.harness.nodes import host_resolvers
 
     conf = tmp_path / "resolv.conf"
     conf.write_text("search x\nnameserver 10.255.255.53\nnameserver 127.0.0.53\nnameserver fd00::1\n"

@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from tests.chart.conftest import CHART, by_kind
+from tests.shared.helm import CHART, by_kind
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 
@@ -82,7 +82,7 @@ def test_pod_monitor_selects_rendered_worker_pods(helm):
 def test_pod_monitor_port_names_exist_on_rendered_pods():
     """Rendered RayJob pods carry the labels and named ports the PodMonitor selects."""
     from kuberl.render import render_manifest
-    from tests.cluster.harness import REPO_ROOT
+    from tests.harness.harness import REPO_ROOT
 
     manifest = yaml.safe_load((REPO_ROOT / "examples" / "grpo-tiny-cpu.yaml").read_text())
     manifest["metadata"].setdefault("namespace", "team-a")

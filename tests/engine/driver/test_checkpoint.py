@@ -1,5 +1,5 @@
 """Per-rank checkpoints against the real S3 server (moto on loopback) with a real trainer rank
-(``tests.driver.one_rank``: gloo, FSDP2, AdamW): background write and upload while training goes
+(``tests.engine.driver.one_rank``: gloo, FSDP2, AdamW): background write and upload while training goes
 on, commit, keep-N pruning, restore straight from the URI (dcp and tar), what a run restores, a
 re-written step withdrawn before anything of it is uploaded, and a SIGKILL during upload leaving
 `latest` on the previous complete checkpoint."""
@@ -22,7 +22,7 @@ from kuberl.storage import (StorageError, checkpoint_to_restore, commit_checkpoi
                             verify_checkpoint, withdraw_from)
 from kuberl.train import checkpoint as ckpt
 from kuberl.train.checkpoint import RankCheckpointer, find_checkpoint
-from tests.driver.one_rank import OneRank
+from tests.engine.driver.one_rank import OneRank
 
 
 def _spec(root, fmt="dcp", keep=2) -> Checkpoints:
@@ -123,7 +123,7 @@ KILLED_UPLOAD = textwrap.dedent("""
     import sys, time
     from kuberl.plan import Checkpoints
     from kuberl.train.checkpoint import RankCheckpointer
-    from tests.driver.one_rank import OneRank
+    from tests.engine.driver.one_rank import OneRank
 
     spec = Checkpoints(root=sys.argv[1], interval_steps=1, keep=3, format="dcp", export_hugging_face=False,
                        export_uri=None)

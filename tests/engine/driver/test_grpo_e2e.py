@@ -96,7 +96,7 @@ def s3_root(s3_endpoint):
     """A bucket on the session's moto server and the environment the driver reaches it with."""
     import s3fs
 
-    from tests.storage.conftest import S3_ENV
+    from tests.shared.stores import S3_ENV
 
     env = {**S3_ENV, "AWS_ENDPOINT_URL_S3": s3_endpoint}
     fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, key=env["AWS_ACCESS_KEY_ID"],

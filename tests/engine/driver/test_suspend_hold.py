@@ -4,14 +4,14 @@ the suspend is withdrawn (or the operator has the cluster deleted). A resumed at
 clears the flag the attempt before it may have left, since the operator deletes the cluster at
 once while the flag is true and the checkpoint has caught up with progress.
 
-The trainer group, engine pool and weight sync are recording stand-ins (tests/driver/standins.py);
+The trainer group, engine pool and weight sync are recording stand-ins (tests/engine/driver/standins.py);
 the reporter records what the driver would patch into status."""
 
 from __future__ import annotations
 
 from kuberl.train import driver as driver_module
 from kuberl.train.report import StatusReporter
-from tests.driver.standins import Calls, standin_driver
+from tests.engine.driver.standins import Calls, standin_driver
 
 
 class RecordingReporter(StatusReporter):

@@ -6,7 +6,7 @@ Run U trains 6 steps uninterrupted. Run K saves a checkpoint at step 3 to moto's
 loopback (each rank uploads its own shards; rank 0 commits once both are durable), trains on and
 is SIGKILLed in step 5. Run R starts fresh ranks in fresh namespaces, restores step 3 straight from
 S3 and trains steps 4-6: the losses are bit-identical to run U's. The rank processes are the real
-checkpoint code (``RankCheckpointer``) on real FSDP2 + AdamW state (``tests.driver.one_rank``);
+checkpoint code (``RankCheckpointer``) on real FSDP2 + AdamW state (``tests.engine.driver.one_rank``);
 what stands in for the driver's Ray calls is a gather of the upload records to rank 0.
 """
 
@@ -32,7 +32,7 @@ RANK = textwrap.dedent("""
     import torch.distributed as dist
     from kuberl.plan import Checkpoints, Resume
     from kuberl.train.checkpoint import RankCheckpointer, find_checkpoint
-    from tests.driver.one_rank import OneRank
+    from tests.engine.driver.one_rank import OneRank
 
     rank, port, root, mode, out, scratch = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], Path(sys.argv[6])
     (scratch / "tmp").mkdir()
@@ -85,7 +85,7 @@ def _run(mode: str, root: str, tmp: Path, env: dict[str, str]) -> tuple[dict[int
         command = (f"mount -t tmpfs kuberl-rank-{rank} {scratch} && TMPDIR={scratch}/tmp exec {sys.executable} "
                    f"-c \"$RANK_SCRIPT\" {rank} {port} {root} {mode} {out} {scratch}")
         procs.append(subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", command],
-                                      env={**env, "RANK_SCRIPT": RANK}, cwd=Path(__file__).resolve().parents[2],
+                                      env={**env, "RANK_SCRIPT": RANK}, cwd=Path(__file__).resolve().parents[3],
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     codes = []
     for proc in procs:

@@ -1,4 +1,4 @@
-"""`python -m tests.cluster build`: needs no Go when warm, clear about the Go toolchain.
+"""`python -m tests.harness build`: needs no Go when warm, clear about the Go toolchain.
 
 The old-Go case uses a small `go` script that reports go1.21: an old
 toolchain cannot be installed on these machines (no toolchain downloads).
@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from tests.cluster.build import missing_components
-from tests.cluster.components import COMPONENTS
-from tests.cluster.harness import REPO_ROOT
+from tests.harness.build import missing_components
+from tests.harness.components import COMPONENTS
+from tests.harness.harness import REPO_ROOT
 
 
 def _fake_go(directory, version: str, exit_code: int = 0):
@@ -27,11 +27,11 @@ def _fake_go(directory, version: str, exit_code: int = 0):
 def _build(env_update: dict[str, str]) -> subprocess.CompletedProcess:
     env = dict(os.environ, **env_update)
     return subprocess.run(
-        [sys.executable, "-m", "tests.cluster", "build"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "tests.harness", "build"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60
     )
 
 
-@pytest.mark.skipif(bool(missing_components()), reason="needs the components built (python -m tests.cluster build)")
+@pytest.mark.skipif(bool(missing_components()), reason="needs the components built (python -m tests.harness build)")
 def test_warm_build_never_calls_go(tmp_path):
     # A `go` that fails if called: with every binary present the build must not need Go.
     path = _fake_go(tmp_path, "go must not be called", exit_code=1)

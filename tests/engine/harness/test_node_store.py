@@ -1,4 +1,4 @@
-"""The real nodes' containerd roots kept between sessions (tests/cluster/nodes.py NodeStores): one
+"""The real nodes' containerd roots kept between sessions (tests/harness/nodes.py NodeStores): one
 session at a time holds them, what they say is imported is only what is still there, and the last
 session's containers go before a node starts."""
 
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from tests.cluster import images
-from tests.cluster.nodes import NodeStores, RealNode, host_tools_missing
+from tests.harness import images
+from tests.harness.nodes import NodeStores, RealNode, host_tools_missing
 
 
 def test_one_session_at_a_time_holds_the_stores(tmp_path):

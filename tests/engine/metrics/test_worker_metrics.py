@@ -156,8 +156,8 @@ def test_the_documented_scrape_configs_pass_promtool_and_match_the_pod_monitor(p
     CRDs, keeps the PodMonitor's pods and port (tests/e2e scrapes real pods with it)."""
     import yaml
 
-    from tests.cluster.harness import REPO_ROOT
-    from tests.metrics.prometheus import PrometheusServer
+    from tests.harness.harness import REPO_ROOT
+    from tests.shared.prometheus import PrometheusServer
 
     jobs = yaml.safe_load((REPO_ROOT / "examples" / "prometheus" / "scrape-configs.yaml").read_text())
     PrometheusServer(*prometheus_binaries, tmp_path, jobs)  # asserts `promtool check config`

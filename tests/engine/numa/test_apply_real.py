@@ -17,9 +17,9 @@ from prometheus_client import CollectorRegistry
 from kuberl.numa import NumaError, Placement, discover, pin_current_process, plan
 from kuberl.numa.apply import load_libnuma, prefer_memory_node
 from kuberl.numa.pin import PinDecision, report_metrics
-from tests.numa.fixtures.machines import Machine
+from tests.unit.numa.fixtures.machines import Machine
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def run_python(code: str, env: dict[str, str] | None = None) -> dict:

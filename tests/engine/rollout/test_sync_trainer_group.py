@@ -7,8 +7,8 @@ import pytest
 import ray
 
 from kuberl.samples import Sample, TrainBatch
-from tests.rollout.conftest import local_plan, make_spec
-from tests.rollout.test_weight_sync import SEQUENCE, engine_logprobs, mean_abs_delta
+from tests.engine.rollout.conftest import local_plan, make_spec
+from tests.engine.rollout.test_weight_sync import SEQUENCE, engine_logprobs, mean_abs_delta
 
 
 def perturb_shards(worker, seed: int, scale: float = 0.05) -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import ray
 
-from tests.rollout.conftest import make_spec
-from tests.rollout.stand_in import StandInTrainerGroup
+from tests.engine.rollout.conftest import make_spec
+from tests.engine.rollout.stand_in import StandInTrainerGroup
 
 SEQUENCE = [2, 40, 41, 42, 43, 44, 10, 11, 12, 13, 14, 15, 16, 3, 70, 71, 72, 73]
 

@@ -24,7 +24,7 @@ from kuberl.storage.filesystems import filesystem
 from kuberl.storage.progress import Progress
 from kuberl.uri import parse
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def pattern(size: int, seed: int) -> bytes:

@@ -18,7 +18,7 @@ import pytest
 from kuberl.storage import StorageError, commit_checkpoint, resolve, stage, verify_checkpoint
 from kuberl.train.checkpoint import fetch_tar_parts, tar_name
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TIB = 1 << 40
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from kuberl.storage import StorageError, resolve
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_local_path_passes_through(tmp_path):

@@ -20,7 +20,7 @@ from kuberl.storage.filesystems import filesystem
 from kuberl.storage.progress import Progress
 from kuberl.uri import parse
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def put_many(fs, bucket, prefix, n, size=64):

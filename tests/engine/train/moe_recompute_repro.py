@@ -7,7 +7,7 @@ expert loop then saves a different number of tensors in the recompute: ``Checkpo
 rank 1 while rank 0 waits in the next FSDP2 collective. The every-expert path saves the same
 tensors whatever the routing, so both ranks finish.
 
-    python -m tests.train.moe_recompute_repro --experts stock|grouped MODEL_DIR
+    python -m tests.engine.train.moe_recompute_repro --experts stock|grouped MODEL_DIR
 Exit status 0 when both ranks finished the step.
 """
 

@@ -19,7 +19,7 @@ from kuberl.api.types import RLTrainingJob, RLTrainingJobSpec
 from kuberl.samples import Sample, TrainBatch
 from kuberl.tiny import make_model
 from kuberl.train.group import TrainerGroup
-from tests.storage.conftest import S3_ENV
+from tests.shared.stores import S3_ENV
 
 STEP_TIMEOUT_S = 120  # a hang fails the test instead of blocking CI
 

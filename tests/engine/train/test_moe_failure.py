@@ -14,7 +14,7 @@ import pytest
 
 from kuberl.tiny import make_model
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TIMEOUT_S = 120
 
 
@@ -24,7 +24,7 @@ def moe_path(tmp_path_factory):
 
 
 def _run(experts: str, model: Path) -> tuple[int | None, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "tests.train.moe_recompute_repro", "--experts", experts, str(model)],
+    proc = subprocess.Popen([sys.executable, "-m", "tests.engine.train.moe_recompute_repro", "--experts", experts, str(model)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

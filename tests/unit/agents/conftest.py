@@ -7,7 +7,7 @@ import pytest
 
 from kuberl.rollout.server import BackgroundServer, make_app
 from kuberl.rollout.transitions import EpisodeLog
-from tests.agents.stand_in import Pool, ScriptedEngine
+from tests.unit.agents.stand_in import Pool, ScriptedEngine
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ Not vLLM: the agent tests check the recorded token ids exactly, which needs repl
 advance (a random tiny model almost never calls the tool), including ones real engines produce
 and text cannot carry (an unused token id that decodes to nothing). It only generates, as the
 real one does: the endpoint renders chats into ids itself, with the tiny model's real tokenizer. The endpoint over the real vLLM
-engine is tested in tests/rollout/test_http.py, and the whole loop in tests/driver/test_agent_e2e.py.
+engine is tested in tests/engine/rollout/test_http.py, and the whole loop in tests/engine/driver/test_agent_e2e.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The driver's step with ``spec.agent``: episodes through the real endpoint (in process, on
 loopback) reach the trainer as samples masked to the model's tokens, with the episodes' rewards.
 
-Engine and trainer are stand-ins, as in tests/driver/test_algorithm_driver.py: the real ones are
-Ray actors, which tests/driver/test_agent_e2e.py runs; the engine is the scripted one of
-tests/agents/stand_in.py, whose replies are known, so what the trainer gets can be checked token
+Engine and trainer are stand-ins, as in tests/unit/driver/test_algorithm_driver.py: the real ones are
+Ray actors, which tests/engine/driver/test_agent_e2e.py runs; the engine is the scripted one of
+tests/unit/agents/stand_in.py, whose replies are known, so what the trainer gets can be checked token
 by token."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from kuberl.rollout.server import BackgroundServer, make_app
 from kuberl.train.checkpoint import CheckpointManager
 from kuberl.train.driver import GRPODriver
 from kuberl.train.report import StatusReporter
-from tests.agents.stand_in import MODEL, Pool, ScriptedEngine
-from tests.driver.test_algorithm_driver import Sync, Trainer
+from tests.unit.agents.stand_in import MODEL, Pool, ScriptedEngine
+from tests.unit.driver.test_algorithm_driver import Sync, Trainer
 
 
 class Engines:

@@ -1,6 +1,6 @@
 """Agent episodes through the real rollout endpoint (Starlette + uvicorn on loopback, in process):
 what it records per episode key, and the environment and harness loops that train on it. The
-engine behind it is a scripted stand-in (tests/agents/stand_in.py says why)."""
+engine behind it is a scripted stand-in (tests/unit/agents/stand_in.py says why)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from kuberl.api.types import AgentHarnessSpec
 from kuberl.rollout.server import BackgroundServer, make_app
 from kuberl.rollout.transitions import EpisodeSampling, episode_to_sample
 from kuberl.train.data import Prompt
-from tests.agents.stand_in import MODEL, UNUSED_TOKEN, Pool, ScriptedEngine, make_spec
+from tests.unit.agents.stand_in import MODEL, UNUSED_TOKEN, Pool, ScriptedEngine, make_spec
 
 
 def test_a_two_turn_anthropic_exchange_is_recorded_token_exactly(serve, tokenizer):
@@ -187,7 +187,7 @@ def test_a_chat_the_template_refuses_is_a_400_naming_messages(tmp_path):
 @pytest.fixture
 def release_hung_calls():
     """Ends, after the test, the environment calls it left hanging in their threads."""
-    from tests.agents.environments import RELEASE
+    from tests.unit.agents.environments import RELEASE
 
     RELEASE.clear()
     yield
@@ -203,13 +203,13 @@ def test_an_environment_call_that_never_returns_fails_the_step_in_bounded_time(s
     from kuberl.agents.episodes import AgentRollout
 
     spec = make_spec().model_copy(deep=True)
-    spec.agent.environment = f"tests.agents.environments:{environment}"
+    spec.agent.environment = f"tests.unit.agents.environments:{environment}"
     base_url, episodes, _ = serve(spec)
     rollout = AgentRollout(spec, base_url=base_url, model=MODEL, episodes=episodes)
     rollout.step_timeout_s = 1
     started = time.monotonic()
     with pytest.raises(AgentError, match=re.escape(
-            f"tests.agents.environments:{environment} (prompt 0, episode 0): {call} did not return within 1 s "
+            f"tests.unit.agents.environments:{environment} (prompt 0, episode 0): {call} did not return within 1 s "
             f"(spec.agent.stepTimeoutSeconds, the bound on each call of the environment's code)")):
         rollout.generate(prompts()[:1], group_size=2, seed=0)
     assert time.monotonic() - started < 10
@@ -220,7 +220,7 @@ def test_an_episode_reward_beyond_the_bound_is_an_error(serve):
     from kuberl.agents.episodes import AgentRollout
 
     spec = make_spec().model_copy(deep=True)
-    spec.agent.environment = "tests.agents.environments:LargeSum"
+    spec.agent.environment = "tests.unit.agents.environments:LargeSum"
     base_url, episodes, _ = serve(spec)
     rollout = AgentRollout(spec, base_url=base_url, model=MODEL, episodes=episodes)
     with pytest.raises(AgentError, match=re.escape("(prompt 0, episode 0): the episode's reward (the sum of its "

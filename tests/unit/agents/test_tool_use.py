@@ -1,6 +1,6 @@
 """Anthropic tool use through the rollout endpoint: ``tools`` in, ``tool_use`` blocks out,
 ``tool_result`` blocks back, and an episode that records it token-exactly (the endpoint in
-process on loopback, over the scripted engine of tests/agents/stand_in.py, which says why)."""
+process on loopback, over the scripted engine of tests/unit/agents/stand_in.py, which says why)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from kuberl.agents.calculator import evaluate
 from kuberl.rollout.protocol import MessagesRequest, TextBlock, ToolUseBlock, assistant_message, reply_blocks
 from kuberl.rollout.transitions import episode_to_sample
-from tests.agents.stand_in import MODEL, ScriptedEngine, make_spec
+from tests.unit.agents.stand_in import MODEL, ScriptedEngine, make_spec
 
 CALCULATOR = {"name": "calculator", "description": "Evaluates an integer expression of + - *.",
               "input_schema": {"type": "object", "properties": {"expression": {"type": "string"}},

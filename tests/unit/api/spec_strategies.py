@@ -4,8 +4,8 @@ Each field of each model becomes a strategy from its annotation and constraints 
 patterns, literals, nested models); a field that may be left out is left out or drawn, so the
 specs cover absent optional fields as much as present ones. The types' field constraints are all
 met; the cross-field CEL rules are not aimed at, so some specs are valid and some are not, and
-the tests compare who refuses what (tests/api/test_spec_properties.py without a cluster,
-tests/cluster/test_kuberl_api.py against the real API server).
+the tests compare who refuses what (tests/unit/api/test_spec_properties.py without a cluster,
+tests/cluster/api/test_kuberl_api.py against the real API server).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from kuberl.api import types as t
-from tests.api.bad_manifests import minimal_manifest
+from tests.unit.api.bad_manifests import minimal_manifest
 
 # cel-python sets the recursion limit to 2500 each time it makes an environment (a rule's first
 # use); set first here, hypothesis does not see it change during a test and warn.
@@ -119,7 +119,7 @@ def for_annotation(annotation: Any, metadata: list[Any]) -> st.SearchStrategy:
         key, value = typing.get_args(annotation)
         return st.dictionaries(for_annotation(key, []), for_annotation(value, []),
                                max_size=min(c.get("max_length", MAX_ITEMS), MAX_ITEMS))
-    raise TypeError(f"no strategy for {annotation!r}: teach tests/api/spec_strategies.py the new type")
+    raise TypeError(f"no strategy for {annotation!r}: teach tests/unit/api/spec_strategies.py the new type")
 
 
 def for_model(model: type[BaseModel]) -> st.SearchStrategy[dict[str, Any]]:

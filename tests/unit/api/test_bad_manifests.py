@@ -9,7 +9,7 @@ from kuberl.api.types import AlgorithmName
 from kuberl.api.validate import ManifestError
 from kuberl.render import RenderError, render_manifest
 from kuberl.uri import URIError
-from tests.api.bad_manifests import BAD_MANIFESTS, minimal_manifest
+from tests.unit.api.bad_manifests import BAD_MANIFESTS, minimal_manifest
 
 
 def test_the_table_is_large_enough():

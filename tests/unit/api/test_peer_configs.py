@@ -1,4 +1,4 @@
-"""The four launch configs from the peers' own repositories, translated (tests/api/peer_configs):
+"""The four launch configs from the peers' own repositories, translated (tests/unit/api/peer_configs):
 each validates, renders, and keeps the knobs checked here with the source's values. What a
 translation could not carry over is listed, with the reason, in its file's header. And the GSM8K
 example's tracking Secret reaches the head only, its data is checked in the init containers."""
@@ -15,7 +15,7 @@ from kuberl.plan import PLAN_FILE, read as read_plan
 from kuberl.render import render_manifest
 
 CONFIGS = Path(__file__).parent / "peer_configs"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # name -> (optimizer updates per step, what else must survive the translation)
 EXPECTED = {

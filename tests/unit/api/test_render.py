@@ -17,10 +17,10 @@ from kuberl import plan as plans
 from kuberl.api.validate import validate_manifest
 from kuberl.cli import main as kuberl_main
 from kuberl.render import render, render_manifest
-from tests.cluster.harness import kuberay_crds
-from tests.api.bad_manifests import minimal_manifest
+from tests.harness.harness import kuberay_crds
+from tests.unit.api.bad_manifests import minimal_manifest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 K8S_VERSION = "1.35.0"
 

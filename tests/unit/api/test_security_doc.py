@@ -7,9 +7,9 @@ import re
 from pathlib import Path
 
 from kuberl.render import render_manifest
-from tests.api.bad_manifests import minimal_manifest
+from tests.unit.api.bad_manifests import minimal_manifest
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "security.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "security.md"
 # Every spec field that names a Secret; the rendered Secret is named after its field.
 SECRET_FIELDS = ("spec.model.credentials", "spec.data.credentials", "spec.checkpoint.credentials",
                  "spec.tracking.wandb.credentials", "spec.tracking.mlflow.credentials")

@@ -1,11 +1,11 @@
-"""Specs drawn from the API types (tests/api/spec_strategies.py) through the local validator and
+"""Specs drawn from the API types (tests/unit/api/spec_strategies.py) through the local validator and
 the renderer, without a cluster: each is accepted or refused with a message, never a crash (a CEL
 rule that reads an absent optional field crashed `kuberl render` before it was guarded). The
-same specs go to the real API server in tests/cluster/test_kuberl_api.py."""
+same specs go to the real API server in tests/cluster/api/test_kuberl_api.py."""
 
 from hypothesis import HealthCheck, given, settings
 
-from tests.api.spec_strategies import local_verdict, manifests
+from tests.unit.api.spec_strategies import local_verdict, manifests
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

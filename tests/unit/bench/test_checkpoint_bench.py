@@ -6,7 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "checkpoint.py"
+BENCH = Path(__file__).resolve().parents[3] / "bench" / "checkpoint.py"
 
 
 def _load_bench():

@@ -2,7 +2,7 @@
 advantages, on the real GRPODriver with the real tokenizer and data.
 
 Engines, trainer and reward workers are recording stand-ins (as in test_colocation.py): the real
-ones are Ray actors and tasks, which the end-to-end tests run (tests/driver/test_grpo_e2e.py,
+ones are Ray actors and tasks, which the end-to-end tests run (tests/engine/driver/test_grpo_e2e.py,
 test_reward_workers.py); what is under test here is what the driver asks of them and what it
 hands the trainer, which needs fixed rewards per generation call."""
 

@@ -5,7 +5,7 @@ one did.
 
 Engines, trainer, weight sync, reward workers and the checkpoint manager are stand-ins: the real
 ones are Ray actors and tasks (and the checkpoint manager a collective over trainer ranks), which
-this unit test cannot start; tests/driver/test_async_e2e.py runs them. The stand-in engines make
+this unit test cannot start; tests/engine/driver/test_async_e2e.py runs them. The stand-in engines make
 responses and log-probs that are a function of the sampling seed and of the weight version they
 hold, as vLLM's seeded sampling is of (seed, weights), so a rollout from the wrong weights shows.
 """

@@ -198,7 +198,7 @@ def test_check_data_command_fails_in_the_init_container_naming_row_and_field(tmp
 # --- hostile and mistaken data files: the loader and `kuberl check-data` (a subprocess, as the init
 # container runs it) both end in one message naming the file and line, never a traceback -----------
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _spec(data: dict | None = None, **rest):
@@ -332,7 +332,7 @@ def _documented_rewards(**provided) -> dict:
     import textwrap
     from pathlib import Path
 
-    doc = (Path(__file__).parents[2] / "docs" / "rewards.md").read_text()
+    doc = (Path(__file__).parents[3] / "docs" / "rewards.md").read_text()
     namespace = dict(provided)
     for indent, code in re.findall(r"^( *)```python\n(.*?)^\1```", doc, flags=re.M | re.S):
         exec(compile(textwrap.dedent(code), "docs/rewards.md", "exec"), namespace)
@@ -355,7 +355,7 @@ def test_the_documented_reward_functions_score_as_the_page_says():
 def test_the_documented_error_is_the_one_a_string_reward_gets():
     from pathlib import Path
 
-    doc = (Path(__file__).parents[2] / "docs" / "rewards.md").read_text()
+    doc = (Path(__file__).parents[3] / "docs" / "rewards.md").read_text()
     with pytest.raises(RewardError) as error:
         score(lambda batch: [0.0] * 5 + ["1e3"], _inputs(["r"] * 6, [None] * 6),
               name="spec.reward.function my_rewards:exact_answer")

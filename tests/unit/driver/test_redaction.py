@@ -1,5 +1,5 @@
 """Which values ``redact_secrets`` takes out of user error text before it reaches the job's status
-(pure; the real path to the API server is tests/driver/test_report.py)."""
+(pure; the real path to the API server is tests/cluster/driver/test_report.py)."""
 
 from kuberl.train.report import REDACTED, redact_secrets
 

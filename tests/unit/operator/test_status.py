@@ -6,7 +6,7 @@ from datetime import timedelta
 
 from kuberl import plan as plans
 from kuberl_operator.status import compute_status, status_changed
-from tests.operator.factories import NOW, job, pod, ray_cluster, ray_job
+from tests.unit.operator.factories import NOW, job, pod, ray_cluster, ray_job
 
 
 def status_of(j, *args, **kw):

@@ -94,7 +94,7 @@ def test_packed_chunked_path_matches_the_padded_full_logits_path():
 
 def test_packed_training_resumes_bit_exactly(tmp_path):
     """One gloo rank, no Ray: save after a step, and the next step from the saved state matches
-    the uninterrupted run bit for bit (tests/train/test_group.py does the same across Ray ranks)."""
+    the uninterrupted run bit for bit (tests/engine/train/test_group.py does the same across Ray ranks)."""
     from transformers import Qwen3Config
 
     from kuberl.train.model import ModelOptions

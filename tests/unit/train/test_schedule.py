@@ -1,7 +1,7 @@
 """The step schedule (kuberl.train.schedule) driven by stand-in engines and a stand-in trainer.
 
 The stand-ins replace the vLLM engines and the FSDP trainer ranks, which are Ray actors that this
-unit test cannot start (tests/driver/test_async_e2e.py runs the real ones). They keep only what
+unit test cannot start (tests/engine/driver/test_async_e2e.py runs the real ones). They keep only what
 the schedule's guarantees are about: a rollout is a pure function of the step (its prompts and
 sampling seed) and of the weights the engines hold, as vLLM's seeded sampling is; a training step
 turns the trainer's weights and a rollout into new weights. Weights are hashes, so any difference

@@ -72,7 +72,7 @@ def engine_kwargs(spec, local_model_path: str, served_model_name: str, *, engine
         # After a partial (chunked) prefill step vLLM rewinds a seeded request's generator with
         # set_offset, which CPU generators refuse ("CPU Generator does not use offset"): the
         # engine dies. Every request here is seeded (exact resume), so CPU engines prefill whole
-        # prompts; the batch budget must then hold the longest. tests/driver/test_agent_e2e.py's
+        # prompts; the batch budget must then hold the longest. tests/engine/driver/test_agent_e2e.py's
         # multi-turn prompts hit it.
         "enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048),
     } if on_cpu else {}
