@@ -54,13 +54,16 @@ def engine_args(spec, local_model_path: str, served_model_name: str, *, engine_i
     return AsyncEngineArgs(**engine_kwargs(spec, local_model_path, served_model_name, engine_index=engine_index))
 
 
-def engine_kwargs(spec, local_model_path: str, served_model_name: str, *, engine_index: int) -> dict:
+def engine_kwargs(spec, local_model_path: str, served_model_name: str, *, engine_index: int,
+                  on_cpu: bool | None = None) -> dict:
     """vLLM engine arguments of engine ``engine_index`` (also what bench/rl_gpu.py gives a raw
-    ``LLM`` to compare against kuberl's engine with the same settings)."""
-    from vllm.platforms import current_platform
+    ``LLM`` to compare against kuberl's engine with the same settings). ``on_cpu`` None asks vLLM's
+    platform; a bool leaves vLLM unimported (the unit tests run without it)."""
+    if on_cpu is None:
+        from vllm.platforms import current_platform
 
+        on_cpu = current_platform.is_cpu()
     rollout = spec.rollout
-    on_cpu = current_platform.is_cpu()
     # CPU engines only serve tests and laptops: full precision, so trainer and engine agree.
     dtype = "float32" if on_cpu or spec.trainer.param_dtype == "float32" else "bfloat16"
     # vLLM's CPU linear layers call kernels prepacked from the weights through per-layer
