@@ -3,6 +3,7 @@ the Kubernetes OpenAPI schemas, and carries the security and placement propertie
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 from pathlib import Path
@@ -29,6 +30,14 @@ def _crd_schema(name: str) -> dict[str, Any]:
     crd = next(c for c in kuberay_crds() if c["metadata"]["name"] == name)
     version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
     return version["schema"]["openAPIV3Schema"]
+
+
+@functools.cache
+def _crd_validator(name: str) -> jsonschema.Draft7Validator:
+    """One validator per CRD, its schema checked once (KubeRay's schemas are about 1 MB each)."""
+    schema = _crd_schema(name)
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
 
 
 def _unknown_fields(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
@@ -82,7 +91,7 @@ def test_there_are_the_three_documented_examples():
 def test_ray_job_validates_against_kuberay_crd(example):
     ray_job = _by_kind(_rendered(example))["RayJob"]
     schema = _crd_schema("rayjobs.ray.io")
-    jsonschema.validate(ray_job, schema, cls=jsonschema.Draft7Validator)
+    _crd_validator("rayjobs.ray.io").validate(ray_job)
     assert _unknown_fields(ray_job, schema) == []
     cluster_schema = _crd_schema("rayclusters.ray.io")["properties"]["spec"]
     assert _unknown_fields(ray_job["spec"]["rayClusterSpec"], cluster_schema) == []

@@ -1,7 +1,8 @@
+import contextlib
+import io
 import json
-import os
+import logging
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -195,10 +196,9 @@ def test_check_data_command_fails_in_the_init_container_naming_row_and_field(tmp
     assert "bad.jsonl:2: no field 'prompt' (spec.data.promptField)" in capsys.readouterr().err
 
 
-# --- hostile and mistaken data files: the loader and `kuberl check-data` (a subprocess, as the init
-# container runs it) both end in one message naming the file and line, never a traceback -----------
-
-REPO = Path(__file__).resolve().parents[3]
+# --- hostile and mistaken data files: the loader and `kuberl check-data` (as the init container runs
+# it; its entry point as a subprocess: tests/engine/driver/test_check_data_cli.py) both end in one
+# message naming the file and line, never a traceback ------------------------------------------------
 
 
 def _spec(data: dict | None = None, **rest):
@@ -207,14 +207,27 @@ def _spec(data: dict | None = None, **rest):
 
 
 def _check_data(tmp_path, path, data: dict | None = None, **rest) -> subprocess.CompletedProcess:
-    """``kuberl check-data --config job.yaml PATH`` exactly as the head pod's init container runs it."""
+    """``kuberl check-data --config job.yaml PATH`` as the head pod's init container runs it, in this
+    process: an exception it let out would fail the test here as a traceback would fail it there.
+    Its logging is set up as in a fresh process (basicConfig finds no root handler), then put back."""
+    from kuberl.cli import main
+
     config = tmp_path / "job.yaml"
     spec = _spec(data, **rest).model_dump(mode="json", by_alias=True, exclude_none=True)
     config.write_text(yaml.safe_dump({"apiVersion": "kuberl.dev/v1alpha1", "kind": "RLTrainingJob",
                                       "metadata": {"name": "j"}, "spec": spec}))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "workloads"), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "kuberl.cli", "check-data", "--config", str(config), str(path)],
-                          env=env, capture_output=True, text=True, timeout=120)
+    args = ["check-data", "--config", str(config), str(path)]
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    root.handlers.clear()
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(args)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def _refused_everywhere(tmp_path, path, needles: list[str], data: dict | None = None, **rest):
