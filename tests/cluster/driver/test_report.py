@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from kuberl.render import render_manifest
-from kuberl.train.report import KubernetesStatusReporter, StatusReporter, reporter_from_env
+from kuberl.train.report import KubernetesStatusReporter
 from tests.unit.api.bad_manifests import minimal_manifest
 
 pytestmark = pytest.mark.cluster
@@ -120,9 +120,3 @@ def test_workload_error_has_the_pods_secret_values_redacted(crd, tmp_path, monke
     assert message == (f"spec.reward.function failed: HTTPError('401 for https://judge.example/?key={REDACTED}', "
                        f"'https://{REDACTED}@mlflow.example/api')")
     assert str(raised.value) == message
-
-
-def test_outside_kubernetes_the_reporter_only_logs(tmp_path):
-    assert type(reporter_from_env({}, tmp_path)) is StatusReporter
-    assert type(reporter_from_env({"KUBERL_JOB_NAME": "x", "KUBERNETES_SERVICE_HOST": "10.0.0.1"}, tmp_path)) \
-        is StatusReporter  # no token mounted

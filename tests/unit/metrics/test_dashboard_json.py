@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from tests.shared.prometheus import DASHBOARDS
+from tests.harness.harness import REPO_ROOT
+from tests.shared.prometheus import DASHBOARDS, dashboard_queries, template_variables
 
 BOARDS = {p.name: json.loads(p.read_text()) for p in DASHBOARDS}
 
@@ -51,3 +52,14 @@ def test_queries_use_the_datasource_variable_and_defined_variables(name):
             earlier = [v["name"] for v in board["templating"]["list"]]
             earlier = set(earlier[:earlier.index(variable["name"])])
             assert set(re.findall(r"\$(\w+)", variable["query"]["query"])) <= earlier
+
+
+def test_dashboards_have_queries_for_every_promised_panel():
+    titles = {(q.dashboard, q.panel) for q in dashboard_queries()}
+    assert {t for d, t in titles if d == "overview.json"} >= {
+        "Jobs by phase", "Failed jobs", "RayJob restarts (1h)", "Reconcile latency", "Reconcile errors per second"}
+    assert {t for d, t in titles if d == "training.json"} >= {
+        "Reward", "KL to reference", "Loss", "Gradient norm", "Skipped steps", "Training throughput", "MFU",
+        "Rollout throughput", "Weight sync time", "Weight sync bandwidth", "Last checkpoint time",
+        "Last checkpoint size", "Staging bandwidth"}
+    assert set(template_variables(REPO_ROOT / "charts/kuberl/dashboards/training.json")) == {"namespace", "job"}
