@@ -164,13 +164,3 @@ def test_components_in_the_namespace_resolve_services_through_the_hosts_resolv_c
     out = subprocess.run(["ip", "netns", "exec", real_cluster.network.name, "getent", "hosts", name],
                          capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split()[0] == "10.0.0.1", out
-
-
-def test_host_resolvers_reads_ipv4_name_servers_other_than_loopback(tmp_path):
-    from tests.harness.nodes import host_resolvers
-
-    conf = tmp_path / "resolv.conf"
-    conf.write_text("search x\nnameserver 10.255.255.53\nnameserver 127.0.0.53\nnameserver fd00::1\n"
-                    "nameserver 10.255.255.53\n")
-    assert host_resolvers(conf) == ["10.255.255.53"]
-    assert host_resolvers(tmp_path / "absent") == []
