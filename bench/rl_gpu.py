@@ -339,7 +339,7 @@ def measured(steps: list[dict], key: str) -> float:
 
 def summarize(results: dict, args) -> dict:
     hw = results.get("hardware", {})
-    config = json.loads((Path(args.work) / "model" / "config.json").read_text())
+    config = rl_shapes.PRESETS[args.preset]  # the model's shape (rl_shapes.make_model), all the roofline reads
     summary: dict = {}
     if hw and "error" not in hw:
         summary["roofline"] = decode_roofline(config, args.prompts, args.group_size, args.prompt_tokens,
@@ -361,7 +361,7 @@ def summarize(results: dict, args) -> dict:
     if ku.get("steps"):
         steps = [s for s in ku["steps"] if s.get("step", 0) >= 2 and "step_seconds" in s]
         tokens = args.prompts * args.group_size * (args.prompt_tokens + args.response_tokens)
-        phases = {k.removesuffix("_seconds"): measured(steps, k) for k in
+        phases = {phase: measured(steps, f"{phase}_seconds") for phase in
                   ("generate", "reward", "logprobs", "update", "weight_sync", "sleep", "wake", "checkpoint_stall")}
         step = measured(steps, "step_seconds") + phases["checkpoint_stall"] / max(1, args.checkpoint_interval)
         summary["kuberl"] = {"step_seconds": step, "tokens_per_second": ratio(tokens, step), "phases": phases,
@@ -382,14 +382,16 @@ def summarize(results: dict, args) -> dict:
         # Per step: TRL generates once per step (steps_per_generation = gradient_accumulation_steps).
         per_step = {name: sum(v) / len(tr["step_seconds"]) for name, v in by_name.items()}
         step = statistics.median(steps)
-        summary["trl"] = {"step_seconds": step, "tokens_per_second": ratio(tokens, step), "phases_per_step": per_step}
+        # TRL names its timers after the method: "GRPOTrainer.vLLM.generate" in 1.16.
+        generate = next((v for name, v in per_step.items() if name.endswith("vLLM.generate")), None)
+        summary["trl"] = {"step_seconds": step, "tokens_per_second": ratio(tokens, step), "phases_per_step": per_step,
+                          "generate_seconds": generate}
         if "roofline" in summary:
-            summary["trl"]["generate_share_of_roofline"] = ratio(summary["roofline"]["seconds"],
-                                                                 per_step.get("vLLM.generate"))
+            summary["trl"]["generate_share_of_roofline"] = ratio(summary["roofline"]["seconds"], generate)
     if "kuberl" in summary and "trl" in summary:
         summary["step_speedup_vs_trl"] = ratio(summary["kuberl"]["tokens_per_second"],
                                                summary["trl"]["tokens_per_second"])
-        summary["generate_speedup_vs_trl"] = ratio(summary["trl"]["phases_per_step"].get("vLLM.generate"),
+        summary["generate_speedup_vs_trl"] = ratio(summary["trl"]["generate_seconds"],
                                                    summary["kuberl"]["phases"]["generate"])
     return summary
 
@@ -415,7 +417,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", choices=PIECES, help=argparse.SUPPRESS)
     parser.add_argument("--engine", choices=GENERATE_ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--summarize", metavar="JSON", help="print the summary of a saved --json run again")
     args = parser.parse_args(argv)
+    if args.summarize:
+        saved = json.loads(Path(args.summarize).read_text())
+        print(json.dumps(summarize(saved["results"], argparse.Namespace(**saved["args"])), indent=2))
+        return 0
     import torch
 
     args.device = "cuda" if torch.cuda.is_available() else "cpu"

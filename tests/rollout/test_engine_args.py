@@ -22,3 +22,15 @@ def test_cpu_engines_prefill_whole_prompts_because_seeded_requests_cannot_be_chu
     assert args.enable_chunked_prefill is False
     assert args.max_num_batched_tokens >= spec.rollout.max_prompt_length + spec.rollout.max_response_length
     assert args.enforce_eager is True
+
+
+def test_client_errors_are_vllms_base_where_it_has_one_and_value_errors_on_0_26(monkeypatch):
+    """vLLM 0.26 (the GPU image's) has no ``VLLMClientError``: the endpoint's every request failed
+    there with an ImportError (a 500) until the engine looked it up like this."""
+    exceptions = pytest.importorskip("vllm.exceptions")
+    from kuberl.rollout.engine import vllm_client_errors
+
+    assert vllm_client_errors() == (exceptions.VLLMClientError,)
+    assert issubclass(exceptions.VLLMValidationError, vllm_client_errors())
+    monkeypatch.delattr(exceptions, "VLLMClientError")
+    assert vllm_client_errors() == (ValueError, TypeError)
