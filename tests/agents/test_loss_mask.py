@@ -10,7 +10,7 @@ import torch
 
 from kuberl.rollout.continuation import ContinuationError, continuation_ids
 from kuberl.rollout.transitions import Transition, episode_to_sample
-from kuberl.samples import TrainBatch
+from kuberl.common.samples import TrainBatch
 
 TOOL_OUTPUT = "calculator: 3"
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kuberl import plan as plans
-from kuberl.samples import Sample
+from kuberl.job import plan as plans
+from kuberl.common.samples import Sample
 from kuberl.train.checkpoint import CheckpointManager
-from kuberl.train.driver import GRPODriver
-from kuberl.train.report import StatusReporter
+from kuberl.driver.loop import GRPODriver
+from kuberl.driver.report import StatusReporter
 
 
 class Calls(list):
@@ -68,7 +68,7 @@ def standin_driver(tmp_path: Path, calls: Calls, *, colocate: bool = False,
     """The embedded job's driver, two prompts x two samples per step, without checkpoints."""
     from transformers import AutoTokenizer
 
-    from kuberl.train.__main__ import embedded_job
+    from kuberl.driver.__main__ import embedded_job
 
     job = embedded_job(tmp_path / "tiny")
     spec = job.spec.model_dump(by_alias=True, exclude_none=True, mode="json")

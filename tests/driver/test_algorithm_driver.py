@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from kuberl import plan as plans
-from kuberl.samples import Sample
+from kuberl.job import plan as plans
+from kuberl.common.samples import Sample
 from kuberl.train.checkpoint import CheckpointManager
-from kuberl.train.driver import GRPODriver, refill_seed
-from kuberl.train.report import StatusReporter
+from kuberl.driver.loop import GRPODriver, refill_seed
+from kuberl.driver.report import StatusReporter
 
 RESPONSE = list(range(4, 18))  # 14 tokens: 2 into a 4-token overlong buffer before maxResponseLength 16
 
@@ -64,7 +64,7 @@ class Rewards:
 def _driver(tmp_path: Path, algorithm: dict, rewards: Rewards) -> tuple[GRPODriver, Engines, Trainer]:
     from transformers import AutoTokenizer
 
-    from kuberl.train.__main__ import embedded_job
+    from kuberl.driver.__main__ import embedded_job
 
     job = embedded_job(tmp_path / "tiny")
     spec = job.spec.model_dump(by_alias=True, exclude_none=True, mode="json")

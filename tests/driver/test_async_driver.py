@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from kuberl import plan as plans
-from kuberl.samples import Sample
-from kuberl.train.driver import EXIT_PREEMPTED, GRPODriver
-from kuberl.train.report import StatusReporter
+from kuberl.job import plan as plans
+from kuberl.common.samples import Sample
+from kuberl.driver.loop import EXIT_PREEMPTED, GRPODriver
+from kuberl.driver.report import StatusReporter
 
 STEPS = 3
 
@@ -117,7 +117,7 @@ class Checkpoints:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     """The tiny model and task, made once for the module's drivers."""
-    from kuberl.train.__main__ import embedded_job
+    from kuberl.driver.__main__ import embedded_job
 
     root = tmp_path_factory.mktemp("tiny")
     embedded_job(root)
@@ -127,7 +127,7 @@ def tiny(tmp_path_factory) -> Path:
 def _driver(tiny: Path, tmp_path: Path, checkpoints: Checkpoints, **algorithm) -> GRPODriver:
     from transformers import AutoTokenizer
 
-    from kuberl.train.__main__ import embedded_job
+    from kuberl.driver.__main__ import embedded_job
 
     job = embedded_job(tiny)
     spec = job.spec.model_dump(by_alias=True, exclude_none=True, mode="json")

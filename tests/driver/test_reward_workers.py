@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kuberl.api.types import RewardSpec
-from kuberl.train.rewards import RewardError, RewardInput, RewardWorkers
+from kuberl.driver.rewards import RewardError, RewardInput, RewardWorkers
 from tests.processes import running
 
 pytest.importorskip("ray")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kuberl.api.types import AlgorithmSpec
-from kuberl.samples import Sample, TrainBatch
-from kuberl.tiny import make_model
+from kuberl.common.samples import Sample, TrainBatch
+from kuberl.driver.tiny import make_model
 from kuberl.train.updates import merge_update_metrics, mini_batches, policy_updates
 
 

@@ -5,7 +5,7 @@
 - ``model``: loading a Hugging Face causal LM into FSDP2 (meta init, rank-0 load + broadcast);
 - ``worker``: one trainer rank (torch only, no Ray: also driven by torchrun in ``bench/``);
 - ``group``: ``TrainerGroup``, the Ray actors that form one torch.distributed group;
-- ``driver`` (``python -m kuberl.train``): the RL loop.
+- ``driver`` (``python -m kuberl.driver``): the RL loop.
 
 Importing this package is cheap; the heavy modules import torch themselves.
 """

@@ -1,4 +1,4 @@
-"""`python -m kuberl.train --config job.yaml` (or `kuberl train`): the Ray driver.
+"""`python -m kuberl.driver --config job.yaml` (or `kuberl train`): the Ray driver.
 
 The same command runs inside a KubeRay cluster (the RayJob's entrypoint, config and run plan from
 the job's ConfigMap, model staged by init containers) and on a laptop (a local Ray and a local
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import yaml
 
-from kuberl import plan as plans
+from kuberl.job import plan as plans
 from kuberl.api.types import RLTrainingJob
 from kuberl.api.validate import ManifestError, validate_manifest
-from kuberl.train import progress
+from kuberl.driver import progress
 
 log = logging.getLogger("kuberl.train")
 DEFAULT_HOME = Path(os.environ.get("KUBERL_CACHE", Path.home() / ".cache" / "kuberl"))
@@ -35,7 +35,7 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 def embedded_job(root: Path) -> RLTrainingJob:
     """A GRPO run on the tiny model and the repeat-letter task, made under ``root`` if missing."""
-    from kuberl import tiny
+    from kuberl.driver import tiny
 
     model, data = root / "model", root / "data" / "repeat_letter.jsonl"
     if not (model / "config.json").exists():
@@ -77,16 +77,16 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     import ray
     from transformers import AutoTokenizer
 
-    from kuberl import usercode
-    from kuberl.metrics import start_pod_exporter
+    from kuberl.common import usercode
+    from kuberl.common.metrics import start_pod_exporter
     from kuberl.rollout.pool import EnginePool
     from kuberl.storage import resolve
     from kuberl.sync import make_weight_sync
     from kuberl.train.checkpoint import CheckpointManager
-    from kuberl.train.driver import GRPODriver, Preemption
+    from kuberl.driver.loop import GRPODriver, Preemption
     from kuberl.train.group import TrainerGroup
-    from kuberl.train.report import reporter_from_env, user_errors_reported
-    from kuberl.train.tracking import make_trackers
+    from kuberl.driver.report import reporter_from_env, user_errors_reported
+    from kuberl.driver.tracking import make_trackers
 
     spec = job.spec
     reporter = reporter_from_env() if display is None else progress.ConsoleReporter(display)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import yaml
 
-from kuberl import usercode
-from kuberl.agents.environment import AgentError
+from kuberl.common import usercode
+from kuberl.rollout.agents.environment import AgentError
 from kuberl.api.validate import ManifestError, validate_manifest
-from kuberl.train.data import DataError, load_for_spec
-from kuberl.train.rewards import RewardError
+from kuberl.driver.data import DataError, load_for_spec
+from kuberl.driver.rewards import RewardError
 
 
 def main(argv: list[str] | None = None) -> int:

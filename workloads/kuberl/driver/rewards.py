@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from kuberl.api.types import RewardSpec
-from kuberl.usercode import resolve
+from kuberl.common.usercode import resolve
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def as_reward(value: Any, where: str, error: type[ValueError] = RewardError) -> 
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise error(f"{where} is {value!r:.100} ({type(value).__name__}), not a number: return an int or a "
                     f"float (a string is not parsed, and a bool needs float(...))")
-    bound = f"the bound |reward| <= {MAX_ABS_REWARD:g} (kuberl.train.rewards.MAX_ABS_REWARD); scale the reward into it"
+    bound = f"the bound |reward| <= {MAX_ABS_REWARD:g} (kuberl.driver.rewards.MAX_ABS_REWARD); scale the reward into it"
     try:
         number = float(value)
     except OverflowError:

@@ -37,8 +37,8 @@ def check(spec: RLTrainingJobSpec) -> None:
     the field and the fix. Only what a run uses: with ``spec.agent`` the episodes' rewards
     replace ``spec.reward``, and a harness is a program, not an import path."""
     # Here, not at the top: both modules use ``resolve``.
-    from kuberl.agents.environment import load_environment
-    from kuberl.train.rewards import load_reward
+    from kuberl.rollout.agents.environment import load_environment
+    from kuberl.driver.rewards import load_reward
 
     if spec.agent is None:
         load_reward(spec.reward)

@@ -13,7 +13,7 @@ import sys
 from kuberl.storage.checkpoints import checkpoint_to_restore
 from kuberl.storage.errors import StorageError
 from kuberl.storage.staging import DEFAULT_PART_SIZE, DEFAULT_WORKERS, stage
-from kuberl.uri import URIError
+from kuberl.api.uri import URIError
 
 
 def _size(text: str) -> int:
