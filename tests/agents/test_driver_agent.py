@@ -12,7 +12,7 @@ import pytest
 
 from kuberl.job import plan as plans
 from kuberl.rollout.server import BackgroundServer, make_app
-from kuberl.train.checkpoint import CheckpointManager
+from kuberl.driver.checkpoints import CheckpointManager
 from kuberl.driver.loop import GRPODriver
 from kuberl.driver.report import StatusReporter
 from tests.agents.stand_in import MODEL, Pool, ScriptedEngine

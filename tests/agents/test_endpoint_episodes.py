@@ -12,7 +12,7 @@ import pytest
 from kuberl.api.types import AgentHarnessSpec
 from kuberl.rollout.server import BackgroundServer, make_app
 from kuberl.rollout.transitions import EpisodeSampling, episode_to_sample
-from kuberl.driver.data import Prompt
+from kuberl.common.prompts import Prompt
 from tests.agents.stand_in import MODEL, UNUSED_TOKEN, Pool, ScriptedEngine, make_spec
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kuberl.job import plan as plans
 from kuberl.common.samples import Sample
-from kuberl.train.checkpoint import CheckpointManager
+from kuberl.driver.checkpoints import CheckpointManager
 from kuberl.driver.loop import GRPODriver
 from kuberl.driver.report import StatusReporter
 

@@ -14,7 +14,7 @@ import pytest
 
 from kuberl.job import plan as plans
 from kuberl.common.samples import Sample
-from kuberl.train.checkpoint import CheckpointManager
+from kuberl.driver.checkpoints import CheckpointManager
 from kuberl.driver.loop import GRPODriver, refill_seed
 from kuberl.driver.report import StatusReporter
 

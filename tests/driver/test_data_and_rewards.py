@@ -13,8 +13,8 @@ import yaml
 from kuberl.api.types import RewardSpec, RLTrainingJobSpec
 from kuberl.driver.data import (DataError, PromptStream, check_prompt_lengths, load_for_spec, load_prompts,
                               steps_for_epochs)
-from kuberl.driver.rewards import (MAX_ABS_REWARD, RewardError, RewardInput, gsm8k_flexible, gsm8k_strict, load_reward,
-                                  repeat_letter, score)
+from kuberl.common.reward_values import MAX_ABS_REWARD, RewardError
+from kuberl.driver.rewards import RewardInput, gsm8k_flexible, gsm8k_strict, load_reward, repeat_letter, score
 
 
 def _jsonl(path, rows):

@@ -67,7 +67,7 @@ def test_workload_identity_patches_its_own_status_only(crd, tmp_path):
     assert "0.25" in printed and " 3 " in printed
     # An error in the job's own input, as the CRD's schema takes it.
     from kuberl.driver.report import user_errors_reported
-    from kuberl.driver.rewards import RewardError
+    from kuberl.common.reward_values import RewardError
 
     with pytest.raises(RewardError), user_errors_reported(reporter, attempt=0):
         raise RewardError("spec.reward.function failed: TypeError('not a list')")
@@ -99,7 +99,7 @@ def test_workload_error_has_the_pods_secret_values_redacted(crd, tmp_path, monke
     the real API server, which everyone who may read the job reads, has none of it; nor has the
     exception the driver goes on to raise (its last line reaches status through KubeRay)."""
     from kuberl.driver.report import REDACTED, user_errors_reported
-    from kuberl.driver.rewards import RewardError
+    from kuberl.common.reward_values import RewardError
 
     cluster, ns = crd, "redact-test"
     cluster.kubectl("create", "namespace", ns)

@@ -12,7 +12,8 @@ from kuberl.job import plan as plans
 from kuberl.rollout.agents.environment import AgentError, load_environment
 from kuberl.api.types import RewardSpec
 from kuberl.api.validate import validate_manifest
-from kuberl.driver.rewards import RewardError, load_reward
+from kuberl.common.reward_values import RewardError
+from kuberl.driver.rewards import load_reward
 from tests.api.bad_manifests import minimal_manifest
 
 

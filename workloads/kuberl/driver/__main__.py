@@ -77,12 +77,12 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     import ray
     from transformers import AutoTokenizer
 
-    from kuberl.common import usercode
+    from kuberl.driver.preflight import check_user_code
     from kuberl.common.metrics import start_pod_exporter
     from kuberl.rollout.pool import EnginePool
     from kuberl.storage import resolve
     from kuberl.sync import make_weight_sync
-    from kuberl.train.checkpoint import CheckpointManager
+    from kuberl.driver.checkpoints import CheckpointManager
     from kuberl.driver.loop import GRPODriver, Preemption
     from kuberl.train.group import TrainerGroup
     from kuberl.driver.report import reporter_from_env, user_errors_reported
@@ -93,7 +93,7 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     with user_errors_reported(reporter, plan.attempt):
         # The job's own code first: a reward function or environment class that cannot be loaded
         # fails the job here, naming the field, before Ray, engines or trainers take any GPU time.
-        usercode.check(spec)
+        check_user_code(spec)
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):  # inside a RayJob: the cluster kuberl render described
             ray.init(address=os.environ["RAY_ADDRESS"])

@@ -36,8 +36,9 @@ from kuberl.common.samples import Sample, TrainBatch
 from kuberl.driver import schedule
 from kuberl.train.algorithms import registry
 from kuberl.train.algorithms.sampling import fill_groups
-from kuberl.train.checkpoint import CheckpointManager
-from kuberl.driver.data import Prompt, PromptStream, check_prompt_lengths, load_for_spec, steps_for_epochs
+from kuberl.driver.checkpoints import CheckpointManager
+from kuberl.common.prompts import Prompt
+from kuberl.driver.data import PromptStream, check_prompt_lengths, load_for_spec, steps_for_epochs
 from kuberl.driver.report import StatusReporter
 from kuberl.driver.rewards import RewardInput, RewardWorkers
 from kuberl.driver.tracking import Trackers
@@ -90,7 +91,7 @@ def engine_logprobs(samples: Sequence[Sample]) -> list[list[float]]:
 def check_advantages(step: int, algorithm: str, samples: Sequence[Sample], advantages: Sequence[float]) -> None:
     """Refuse a non-finite advantage before any update: one NaN or inf makes the step's loss and
     every weight it touches NaN, and the run trains on garbage from then on. Rewards are checked
-    where they are made (finite, bounded: ``kuberl.driver.rewards.as_reward``), so this is the
+    where they are made (finite, bounded: ``kuberl.common.reward_values.as_reward``), so this is the
     algorithm's fault, named with the group and its rewards."""
     for sample, advantage in zip(samples, advantages, strict=True):
         if not math.isfinite(advantage):

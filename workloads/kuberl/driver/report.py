@@ -158,7 +158,7 @@ def user_errors_reported(reporter: StatusReporter, attempt: int) -> Iterator[Non
     episodes and rewards)."""
     from kuberl.rollout.agents.environment import AgentError
     from kuberl.driver.data import DataError
-    from kuberl.driver.rewards import RewardError
+    from kuberl.common.reward_values import RewardError
 
     try:
         yield

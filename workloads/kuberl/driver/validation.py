@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from kuberl.api.types import ValidationSpec
-from kuberl.driver.data import Prompt
+from kuberl.common.prompts import Prompt
 from kuberl.driver.rewards import RewardInput
 
 log = logging.getLogger("kuberl.train")
