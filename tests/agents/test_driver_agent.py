@@ -13,7 +13,7 @@ import pytest
 from kuberl.job import plan as plans
 from kuberl.rollout.server import BackgroundServer, make_app
 from kuberl.driver.checkpoints import CheckpointManager
-from kuberl.driver.loop import GRPODriver
+from kuberl.driver.loop import Driver
 from kuberl.driver.report import StatusReporter
 from tests.agents.stand_in import MODEL, Pool, ScriptedEngine
 from tests.driver.test_algorithm_driver import Sync, Trainer
@@ -56,7 +56,7 @@ def driver(tmp_path):
     plan = plans.local(job, tmp_path / "work")
     tokenizer = AutoTokenizer.from_pretrained(job.spec.model.uri)
     engines, trainer = Engines(job.spec, tokenizer), Trainer()
-    driver = GRPODriver(job, plan, trainer=trainer, engines=engines, weight_sync=Sync(), tokenizer=tokenizer,
+    driver = Driver(job, plan, trainer=trainer, engines=engines, weight_sync=Sync(), tokenizer=tokenizer,
                         data_path=job.spec.data.uri,
                         checkpoints=CheckpointManager(plan.checkpoints, plan.resume, trainer=None),
                         reporter=StatusReporter())

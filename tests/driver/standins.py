@@ -1,5 +1,5 @@
 """Recording stand-ins for the trainer group, engine pool and weight sync around the real
-GRPODriver (real tokenizer, data and rewards), for tests of the order the driver keeps. The reward
+Driver (real tokenizer, data and rewards), for tests of the order the driver keeps. The reward
 workers are Ray tasks: a test using ``standin_driver`` takes the session's Ray (`ray_session`).
 
 Why stand-ins: what these tests check is the order of the driver's calls, which the real parts
@@ -14,7 +14,7 @@ from pathlib import Path
 from kuberl.job import plan as plans
 from kuberl.common.samples import Sample
 from kuberl.driver.checkpoints import CheckpointManager
-from kuberl.driver.loop import GRPODriver
+from kuberl.driver.loop import Driver
 from kuberl.driver.report import StatusReporter
 
 
@@ -64,7 +64,7 @@ class Sync:
 
 
 def standin_driver(tmp_path: Path, calls: Calls, *, colocate: bool = False,
-                   reporter: StatusReporter | None = None) -> GRPODriver:
+                   reporter: StatusReporter | None = None) -> Driver:
     """The embedded job's driver, two prompts x two samples per step, without checkpoints."""
     from transformers import AutoTokenizer
 
@@ -79,7 +79,7 @@ def standin_driver(tmp_path: Path, calls: Calls, *, colocate: bool = False,
     spec["checkpoint"] = {}
     job = job.model_copy(update={"spec": type(job.spec).model_validate(spec)})
     plan = plans.local(job, tmp_path / "work")
-    return GRPODriver(job, plan, trainer=Trainer(calls), engines=Engines(calls), weight_sync=Sync(calls),
+    return Driver(job, plan, trainer=Trainer(calls), engines=Engines(calls), weight_sync=Sync(calls),
                       tokenizer=AutoTokenizer.from_pretrained(job.spec.model.uri), data_path=job.spec.data.uri,
                       checkpoints=CheckpointManager(plan.checkpoints, plan.resume, trainer=None),
                       reporter=reporter or StatusReporter())

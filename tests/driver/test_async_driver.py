@@ -1,4 +1,4 @@
-"""One-step asynchronous rollouts (``algorithm.asyncRollout``) in the real GRPODriver, with the real
+"""One-step asynchronous rollouts (``algorithm.asyncRollout``) in the real Driver, with the real
 tokenizer and data: the next step's rollout is generated beside the trainer's step, the ratio is
 taken against the engines' log-probs, and a resumed run trains on exactly what the uninterrupted
 one did.
@@ -20,7 +20,7 @@ import pytest
 
 from kuberl.job import plan as plans
 from kuberl.common.samples import Sample
-from kuberl.driver.loop import EXIT_PREEMPTED, GRPODriver
+from kuberl.driver.loop import EXIT_PREEMPTED, Driver
 from kuberl.driver.report import StatusReporter
 
 STEPS = 3
@@ -55,7 +55,7 @@ class Engines:
 class Trainer:
     def __init__(self, engines: Engines):
         self.engines = engines
-        self.driver: GRPODriver | None = None
+        self.driver: Driver | None = None
         self.batches = []
         self.overlapped: list[bool] = []
 
@@ -124,7 +124,7 @@ def tiny(tmp_path_factory) -> Path:
     return root
 
 
-def _driver(tiny: Path, tmp_path: Path, checkpoints: Checkpoints, **algorithm) -> GRPODriver:
+def _driver(tiny: Path, tmp_path: Path, checkpoints: Checkpoints, **algorithm) -> Driver:
     from transformers import AutoTokenizer
 
     from kuberl.driver.__main__ import embedded_job
@@ -137,7 +137,7 @@ def _driver(tiny: Path, tmp_path: Path, checkpoints: Checkpoints, **algorithm) -
     job = job.model_copy(update={"spec": type(job.spec).model_validate(spec)})
     plan = plans.local(job, tmp_path / "work")
     engines = Engines()
-    driver = GRPODriver(job, plan, trainer=Trainer(engines), engines=engines, weight_sync=Sync(engines),
+    driver = Driver(job, plan, trainer=Trainer(engines), engines=engines, weight_sync=Sync(engines),
                         tokenizer=AutoTokenizer.from_pretrained(job.spec.model.uri), data_path=job.spec.data.uri,
                         checkpoints=checkpoints, reporter=StatusReporter())
     driver.reward_fn = rewards

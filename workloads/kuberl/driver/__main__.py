@@ -83,7 +83,7 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     from kuberl.storage import resolve
     from kuberl.sync import make_weight_sync
     from kuberl.driver.checkpoints import CheckpointManager
-    from kuberl.driver.loop import GRPODriver, Preemption
+    from kuberl.driver.loop import Driver, Preemption
     from kuberl.train.group import TrainerGroup
     from kuberl.driver.report import reporter_from_env, user_errors_reported
     from kuberl.driver.tracking import make_trackers
@@ -128,7 +128,7 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
                                  run_id=job.metadata.uid or job.metadata.name,
                                  config=job.model_dump(mode="json", by_alias=True, exclude_none=True)["spec"],
                                  work_dir=Path(plan.paths.scratch))
-        driver = GRPODriver(job, plan, trainer=trainer, engines=engines, weight_sync=weight_sync, tokenizer=tokenizer,
+        driver = Driver(job, plan, trainer=trainer, engines=engines, weight_sync=weight_sync, tokenizer=tokenizer,
                             data_path=data_path, checkpoints=checkpoints, reporter=reporter, preemption=preemption,
                             metrics_file=metrics_file, validation_path=validation_path, trackers=trackers,
                             exporter=lambda step: trainer.export_hugging_face(plan.checkpoints.export_uri_at(step)))

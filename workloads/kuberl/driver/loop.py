@@ -65,7 +65,7 @@ class StepResult:
 # Which trainer method computes each log-prob an algorithm asks for (Algorithm.logprobs).
 LOGPROB_METHODS = {"old": "log_probs", "ref": "ref_log_probs"}
 
-# A step's rollout: its batch, its prompts' task rewards, the rollout's metrics (GRPODriver.rollout).
+# A step's rollout: its batch, its prompts' task rewards, the rollout's metrics (Driver.rollout).
 Rollout = tuple[list[Sample], list[float], dict[str, float]]
 
 
@@ -129,7 +129,9 @@ class Preemption:
         self.requested = True
 
 
-class GRPODriver:
+class Driver:
+    """The loop of one run, for whichever algorithm ``spec.algorithm.name`` names."""
+
     def __init__(self, job: RLTrainingJob, plan: RunPlan, *, trainer: Any, engines: Any, weight_sync: Any,
                  tokenizer: Any, data_path: str, checkpoints: CheckpointManager, reporter: StatusReporter,
                  preemption: Preemption | None = None, metrics_file: Path | None = None,
