@@ -148,11 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from transformers import AutoTokenizer
 
-    from kuberl.job import plan as plans
     from kuberl.api import RLTrainingJobSpec
     from kuberl.api.types import RLTrainingJob
-    from kuberl.rollout.pool import EnginePool
     from kuberl.driver.tiny import make_model
+    from kuberl.job import plan as plans
+    from kuberl.rollout.pool import EnginePool
 
     prompts = make_prompts(args.prompts, seed=0)
     chats = make_chats(args.prompts, seed=0)

@@ -48,8 +48,8 @@ def test_every_scheme_is_placed_and_reached():
     are read (the Hub, or an fsspec Store that imports); written forms parse back to the scheme."""
     import pkgutil
 
-    from kuberl.storage.filesystems import Store
     from kuberl.api.uri import SCHEMES, in_pod_path
+    from kuberl.storage.filesystems import Store
 
     examples = {"s3": "s3://bucket/p", "gs": "gs://bucket/p", "hf": "hf://org/name", "pvc": "pvc://claim/p",
                 "file": "/abs/p"}

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from kuberl.job import plan as plans
-from kuberl.rollout.server import BackgroundServer, make_app
 from kuberl.driver.checkpoints import CheckpointManager
 from kuberl.driver.loop import Driver
 from kuberl.driver.report import StatusReporter
+from kuberl.job import plan as plans
+from kuberl.rollout.server import BackgroundServer, make_app
 from tests.agents.stand_in import MODEL, Pool, ScriptedEngine
 from tests.driver.test_algorithm_driver import Sync, Trainer
 

@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from kuberl.api.types import AgentHarnessSpec
+from kuberl.common.prompts import Prompt
 from kuberl.rollout.server import BackgroundServer, make_app
 from kuberl.rollout.transitions import EpisodeSampling, episode_to_sample
-from kuberl.common.prompts import Prompt
 from tests.agents.stand_in import MODEL, UNUSED_TOKEN, Pool, ScriptedEngine, make_spec
 
 

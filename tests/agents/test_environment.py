@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
+from kuberl.driver.tiny import calculator_rows
 from kuberl.rollout.agents.calculator import Calculator, evaluate
 from kuberl.rollout.agents.environment import AgentError, Step, Task, as_step, first_chat, load_environment
-from kuberl.driver.tiny import calculator_rows
 
 
 def task(row: dict) -> Task:

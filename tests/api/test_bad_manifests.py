@@ -6,9 +6,9 @@ import typing
 import pytest
 
 from kuberl.api.types import AlgorithmName
+from kuberl.api.uri import URIError
 from kuberl.api.validate import ManifestError
 from kuberl.job.render import RenderError, render_manifest
-from kuberl.api.uri import URIError
 from tests.api.bad_manifests import BAD_MANIFESTS, minimal_manifest
 
 

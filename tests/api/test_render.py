@@ -13,9 +13,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kuberl.job import plan as plans
 from kuberl.api.validate import validate_manifest
 from kuberl.cli import main as kuberl_main
+from kuberl.job import plan as plans
 from kuberl.job.render import render, render_manifest
 from tests.cluster.harness import kuberay_crds
 from tests.api.bad_manifests import minimal_manifest

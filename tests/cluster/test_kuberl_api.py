@@ -98,9 +98,9 @@ def test_bad_manifest_is_rejected_by_the_api_server(k8s_cluster, kuberl_crd, nam
 
 @pytest.mark.parametrize("case", [c for c in _bad_manifests() if not c.server], ids=lambda case: case.id)
 def test_what_the_api_server_lets_through_the_renderer_rejects(k8s_cluster, kuberl_crd, namespace, case):
+    from kuberl.api.uri import URIError
     from kuberl.api.validate import ManifestError
     from kuberl.job.render import RenderError, render_manifest
-    from kuberl.api.uri import URIError
 
     result = _create(k8s_cluster, case.manifest, namespace)
     assert result.returncode == 0, (

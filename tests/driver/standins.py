@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kuberl.job import plan as plans
 from kuberl.common.samples import Sample
 from kuberl.driver.checkpoints import CheckpointManager
 from kuberl.driver.loop import Driver
 from kuberl.driver.report import StatusReporter
+from kuberl.job import plan as plans
 
 
 class Calls(list):

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from kuberl.job import plan as plans
 from kuberl.common.samples import Sample
 from kuberl.driver.checkpoints import CheckpointManager
 from kuberl.driver.loop import Driver, refill_seed
 from kuberl.driver.report import StatusReporter
+from kuberl.job import plan as plans
 
 RESPONSE = list(range(4, 18))  # 14 tokens: 2 into a 4-token overlong buffer before maxResponseLength 16
 

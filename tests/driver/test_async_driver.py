@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from kuberl.job import plan as plans
 from kuberl.common.samples import Sample
 from kuberl.driver.loop import EXIT_PREEMPTED, Driver
 from kuberl.driver.report import StatusReporter
+from kuberl.job import plan as plans
 
 STEPS = 3
 

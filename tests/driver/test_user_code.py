@@ -8,12 +8,12 @@ import sys
 import pytest
 import yaml
 
-from kuberl.job import plan as plans
-from kuberl.rollout.agents.environment import AgentError, load_environment
 from kuberl.api.types import RewardSpec
 from kuberl.api.validate import validate_manifest
 from kuberl.common.reward_values import RewardError
 from kuberl.driver.rewards import load_reward
+from kuberl.job import plan as plans
+from kuberl.rollout.agents.environment import AgentError, load_environment
 from tests.api.bad_manifests import minimal_manifest
 
 

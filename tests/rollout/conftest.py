@@ -34,8 +34,8 @@ def spec(tiny_model):
 
 def local_plan(spec, work_dir="/tmp/kuberl-rollout-tests"):
     """The run plan `kuberl train` makes outside Kubernetes."""
-    from kuberl.job import plan as plans
     from kuberl.api.types import RLTrainingJob
+    from kuberl.job import plan as plans
 
     return plans.local(RLTrainingJob(metadata={"name": "rollout-test"}, spec=spec), work_dir)
 

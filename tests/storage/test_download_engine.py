@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from kuberl.api.uri import parse
 from kuberl.storage import StorageError, stage
 from kuberl.storage.download import STREAM_BLOCK, download_files, list_source
 from kuberl.storage.filesystems import filesystem
 from kuberl.storage.progress import Progress
-from kuberl.api.uri import parse
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from kuberl.api.uri import parse
 from kuberl.cli.stage import main as stage_main
 from kuberl.storage import StorageError, stage
 from kuberl.storage.download import download_files, list_source
 from kuberl.storage.filesystems import filesystem
 from kuberl.storage.progress import Progress
-from kuberl.api.uri import parse
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import yaml
 
+from kuberl.api.validate import ManifestError, validate_manifest
+from kuberl.common.reward_values import RewardError
+from kuberl.driver.data import DataError, load_for_spec
 from kuberl.driver.preflight import check_user_code
 from kuberl.rollout.agents.environment import AgentError
-from kuberl.api.validate import ManifestError, validate_manifest
-from kuberl.driver.data import DataError, load_for_spec
-from kuberl.common.reward_values import RewardError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import yaml
 
-from kuberl.job import plan as plans
 from kuberl.api.types import RLTrainingJob
 from kuberl.api.validate import ManifestError, validate_manifest
 from kuberl.driver import progress
+from kuberl.job import plan as plans
 
 log = logging.getLogger("kuberl.train")
 DEFAULT_HOME = Path(os.environ.get("KUBERL_CACHE", Path.home() / ".cache" / "kuberl"))
@@ -77,16 +77,16 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     import ray
     from transformers import AutoTokenizer
 
-    from kuberl.driver.preflight import check_user_code
     from kuberl.common.metrics import start_pod_exporter
+    from kuberl.driver.checkpoints import CheckpointManager
+    from kuberl.driver.loop import Driver, Preemption
+    from kuberl.driver.preflight import check_user_code
+    from kuberl.driver.report import reporter_from_env, user_errors_reported
+    from kuberl.driver.tracking import make_trackers
     from kuberl.rollout.pool import EnginePool
     from kuberl.storage import resolve
     from kuberl.sync import make_weight_sync
-    from kuberl.driver.checkpoints import CheckpointManager
-    from kuberl.driver.loop import Driver, Preemption
     from kuberl.train.group import TrainerGroup
-    from kuberl.driver.report import reporter_from_env, user_errors_reported
-    from kuberl.driver.tracking import make_trackers
 
     spec = job.spec
     reporter = reporter_from_env() if display is None else progress.ConsoleReporter(display)

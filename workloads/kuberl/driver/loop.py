@@ -29,21 +29,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from kuberl.common import metrics as pod_metrics
 from kuberl.api.types import RLTrainingJob
-from kuberl.job.plan import RunPlan
+from kuberl.common import metrics as pod_metrics
+from kuberl.common.prompts import Prompt
 from kuberl.common.samples import Sample, TrainBatch
 from kuberl.driver import schedule
-from kuberl.train.algorithms import registry
-from kuberl.train.algorithms.sampling import fill_groups
 from kuberl.driver.checkpoints import CheckpointManager
-from kuberl.common.prompts import Prompt
 from kuberl.driver.data import PromptStream, check_prompt_lengths, load_for_spec, steps_for_epochs
 from kuberl.driver.report import StatusReporter
 from kuberl.driver.rewards import RewardInput, RewardWorkers
 from kuberl.driver.tracking import Trackers
-from kuberl.train.updates import policy_updates
 from kuberl.driver.validation import Validator
+from kuberl.job.plan import RunPlan
+from kuberl.train.algorithms import registry
+from kuberl.train.algorithms.sampling import fill_groups
+from kuberl.train.updates import policy_updates
 
 log = logging.getLogger("kuberl.train")
 

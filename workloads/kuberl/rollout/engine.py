@@ -15,8 +15,8 @@ import logging
 import os
 import uuid
 
-from kuberl.job.plan import Paths
 from kuberl.common.samples import Sample
+from kuberl.job.plan import Paths
 
 logger = logging.getLogger(__name__)
 

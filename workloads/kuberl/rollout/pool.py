@@ -10,8 +10,8 @@ import logging
 
 import ray
 
-from kuberl.job.plan import RunPlan
 from kuberl.common.samples import Sample
+from kuberl.job.plan import RunPlan
 
 logger = logging.getLogger(__name__)
 

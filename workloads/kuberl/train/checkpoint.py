@@ -43,9 +43,9 @@ from kuberl.common import metrics as pod_metrics
 from kuberl.job.plan import Checkpoints, Resume
 from kuberl.storage import (checkpoint_to_restore, commit_records, latest_checkpoint, prune_checkpoints, stage,
                             step_uri, upload_dir, verify_checkpoint, withdraw_from)
+from kuberl.api.uri import parse
 from kuberl.storage import filesystems
 from kuberl.storage.errors import StorageError, with_retries
-from kuberl.api.uri import parse
 
 log = logging.getLogger("kuberl.train")
 DRIVER_STATE = "driver.json"

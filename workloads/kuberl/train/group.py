@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 import ray
 
-from kuberl.job.plan import Resume, RunPlan
 from kuberl.common.samples import TrainBatch
+from kuberl.job.plan import Resume, RunPlan
 from kuberl.train.checkpoint import CONCURRENCY_GROUP, find_checkpoint
 
 log = logging.getLogger("kuberl.train")

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from kuberl.common.prompts import ROLES
-from kuberl.common.usercode import resolve
 from kuberl.common.reward_values import as_reward
+from kuberl.common.usercode import resolve
 
 
 class AgentError(ValueError):

@@ -37,12 +37,12 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
+from kuberl.common.prompts import Prompt
+from kuberl.common.reward_values import as_reward
+from kuberl.common.samples import Sample
 from kuberl.rollout.agents.environment import AgentError, Task, as_step, first_chat, load_environment
 from kuberl.rollout.server import NO_ROOM
 from kuberl.rollout.transitions import EpisodeLog, EpisodeSampling, episode_to_sample
-from kuberl.common.samples import Sample
-from kuberl.common.prompts import Prompt
-from kuberl.common.reward_values import as_reward
 
 ANTHROPIC_VERSION = "2023-06-01"
 # A CPU engine under a full step's episodes answers slowly; a turn that takes longer is a fault.
