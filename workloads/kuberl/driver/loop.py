@@ -4,7 +4,7 @@ Each step: the step's prompts (a pure function of seed and step) -> ``groupSize`
 prompt from the rollout engines (with ``spec.agent``, episodes through the endpoint:
 ``kuberl.rollout.agents.episodes``) -> rewards, shaped by the algorithm -> the groups it trains on
 (dynamic sampling refills dropped ones) -> its advantages -> the log-probs it needs from the
-trainer -> policy updates over mini-batches (``kuberl.train.updates``; the trainer's loss is the
+trainer -> policy updates over mini-batches (``kuberl.driver.updates``; the trainer's loss is the
 algorithm's too) -> weight sync to the engines -> validation when due -> metrics, trackers, progress
 and, every ``intervalSteps``, a checkpoint. The algorithm is ``spec.algorithm.name`` looked up once
 in ``kuberl.train.algorithms.registry``, here and in ``TrainerConfig.from_spec``. With
@@ -38,12 +38,12 @@ from kuberl.driver.checkpoints import CheckpointManager
 from kuberl.driver.data import PromptStream, check_prompt_lengths, load_for_spec, steps_for_epochs
 from kuberl.driver.report import StatusReporter
 from kuberl.driver.rewards import RewardInput, RewardWorkers
+from kuberl.driver.sampling import fill_groups
 from kuberl.driver.tracking import Trackers
+from kuberl.driver.updates import policy_updates
 from kuberl.driver.validation import Validator
 from kuberl.job.plan import RunPlan
 from kuberl.train.algorithms import registry
-from kuberl.train.algorithms.sampling import fill_groups
-from kuberl.train.updates import policy_updates
 
 log = logging.getLogger("kuberl.train")
 
@@ -377,7 +377,7 @@ class Driver:
 
     def _logprobs(self, name: str, batch: TrainBatch) -> list[list[float]]:
         """The behaviour policy's ("old") log-probs, before the first update: the ratio of every
-        update is measured against them (kuberl.train.updates). Synchronous, the trainer
+        update is measured against them (kuberl.driver.updates). Synchronous, the trainer
         recomputes them with its own numerics: it still holds the weights that generated the
         rollout. With asyncRollout it is a step ahead of those weights, so they are the engines'
         (vLLM's, after temperature, as the tokens were drawn)."""
