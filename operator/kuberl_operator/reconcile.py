@@ -21,9 +21,9 @@ from typing import Any
 
 import yaml
 
-from kuberl import plan as plans
+from kuberl.job import plan as plans
 from kuberl.api import types as t
-from kuberl.render import CONFIG_FILE, ray_job_name, render
+from kuberl.job.render import CONFIG_FILE, ray_job_name, render
 from kuberl_operator import observed as o
 from kuberl_operator.status import (FINISHED_PHASES, SUSPENDED, compute_status, current_workload_error,
                                     finished_status)
@@ -120,7 +120,7 @@ def desired_objects(job: t.RLTrainingJob, observed: o.Observed, attempt: int | N
     given: a reconcile builds it once and passes it to the status too).
 
     A restart resumes from the newest complete checkpoint under spec.checkpoint.uri, decided by
-    the spec alone (``kuberl.plan.resume``): status.lastCheckpoint is the workload's to write and
+    the spec alone (``kuberl.job.plan.resume``): status.lastCheckpoint is the workload's to write and
     never steers what the next attempt mounts or restores. The RayJob is created suspended when
     the job is.
     """

@@ -14,8 +14,8 @@ from datetime import datetime
 from typing import Any
 
 from kuberl.api import types as t
-from kuberl.plan import RunPlan
-from kuberl.render import ray_job_name
+from kuberl.job.plan import RunPlan
+from kuberl.job.render import ray_job_name
 from kuberl_operator import observed as o
 
 STAGED = "Staged"

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from kuberl.api.validate import validate_manifest
-from kuberl.plan import PLAN_FILE, read as read_plan
-from kuberl.render import render_manifest
+from kuberl.job.plan import PLAN_FILE, read as read_plan
+from kuberl.job.render import render_manifest
 
 CONFIGS = Path(__file__).parent / "peer_configs"
 REPO = Path(__file__).resolve().parents[2]

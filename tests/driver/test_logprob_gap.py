@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kuberl.samples import Sample
-from kuberl.train.driver import engine_logprob_gap
+from kuberl.common.samples import Sample
+from kuberl.driver.loop import engine_logprob_gap
 
 
 def sample(logprobs, mask=None):

@@ -24,7 +24,7 @@ MAX_GAP = 0.5
 
 
 def manifest(model: str, data: str, checkpoints: str) -> dict:
-    """The embedded tiny job (kuberl.train.__main__.embedded_job) on one GPU, colocated."""
+    """The embedded tiny job (kuberl.driver.__main__.embedded_job) on one GPU, colocated."""
     return {
         "apiVersion": "kuberl.dev/v1alpha1", "kind": "RLTrainingJob", "metadata": {"name": "grpo-one-gpu-tiny"},
         "spec": {
@@ -47,14 +47,14 @@ def manifest(model: str, data: str, checkpoints: str) -> dict:
 def test_colocated_grpo_on_one_gpu_learns_the_tiny_task(tmp_path):
     import yaml
 
-    from kuberl import tiny
+    from kuberl.driver import tiny
 
     model = tiny.make_model(tmp_path / "model")
     data = tiny.make_data(tmp_path / "data.jsonl")
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(manifest(str(model), str(data), str(tmp_path / "checkpoints"))))
     metrics = tmp_path / "metrics.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "kuberl.train", "--config", str(config), "--work-dir",
+    proc = subprocess.run([sys.executable, "-m", "kuberl.driver", "--config", str(config), "--work-dir",
                            str(tmp_path / "work"), "--metrics-file", str(metrics)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -111,7 +111,7 @@ def gpu_spec(model_uri: str, method: str = "ipc"):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    from kuberl.tiny import make_model
+    from kuberl.driver.tiny import make_model
 
     return str(make_model(tmp_path_factory.mktemp("tiny") / "model"))
 
@@ -119,7 +119,7 @@ def tiny_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def colocated(tiny_model):
     """(trainer, engine pool) sharing the one GPU."""
-    from kuberl import plan as plans
+    from kuberl.job import plan as plans
     from kuberl.api.types import RLTrainingJob
     from kuberl.rollout.pool import EnginePool
 

@@ -11,8 +11,8 @@ import kubernetes
 import pytest
 import yaml
 
-from kuberl import plan as plans
-from kuberl.render import CONFIG_FILE
+from kuberl.job import plan as plans
+from kuberl.job.render import CONFIG_FILE
 from tests.cluster.helpers import apply, get_json, wait_for
 from tests.operator.conftest import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, example, get
 

@@ -6,8 +6,8 @@ from datetime import timedelta
 
 import yaml
 
-from kuberl import plan as plans
-from kuberl.render import ATTEMPT_ANNOTATION, CONFIG_FILE, render
+from kuberl.job import plan as plans
+from kuberl.job.render import ATTEMPT_ANNOTATION, CONFIG_FILE, render
 from kuberl_operator.reconcile import Settings, backoff_seconds, current_attempt, desired_objects, next_action
 from tests.operator.factories import NOW, job, observed, ray_job
 

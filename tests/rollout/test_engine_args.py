@@ -12,8 +12,8 @@ def test_cpu_engines_prefill_whole_prompts_because_seeded_requests_cannot_be_chu
     which a CPU generator refuses; every kuberl request is seeded."""
     from vllm.platforms import current_platform
 
+    from kuberl.driver.__main__ import embedded_job
     from kuberl.rollout.engine import engine_args
-    from kuberl.train.__main__ import embedded_job
 
     if not current_platform.is_cpu():
         pytest.skip("vLLM's platform here is not CPU")

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
-from kuberl.uri import (CHECKPOINT_URI_PATTERN, DOT_SEGMENT_VIOLATION, MAX_REVISION_LENGTH,
+from kuberl.api.uri import (CHECKPOINT_URI_PATTERN, DOT_SEGMENT_VIOLATION, MAX_REVISION_LENGTH,
                         REVISION_IN_URI_VIOLATION, REVISION_RULES_TEXT, REVISION_VIOLATION, URI_PATTERN)
 
 GROUP = "kuberl.dev"
@@ -194,7 +194,7 @@ class RewardSpec(APIModel):
                           "the share of response characters equal to the answer letter).")
     function: RewardFunctionPath | None = Field(
         None, description="An importable batch reward function, module.path:function, called with a list "
-                    "of kuberl.train.rewards.RewardInput (prompt, response, answer, data_source, "
+                    "of kuberl.driver.rewards.RewardInput (prompt, response, answer, data_source, "
                     "extra_info, token lengths) and returning one float per input (docs/rewards.md).")
     workers: int = Field(1, ge=1, le=1024, description="Parallel reward workers (Ray tasks); the step's "
                          "samples are split evenly among them.")
@@ -204,7 +204,7 @@ class RewardSpec(APIModel):
                                  "fails (docs/rewards.md).")
 
 
-EnvironmentClassPath = import_path_type("agent.environment", "Class", "kuberl.agents.calculator:Calculator")
+EnvironmentClassPath = import_path_type("agent.environment", "Class", "kuberl.rollout.agents.calculator:Calculator")
 
 
 class AgentHarnessSpec(APIModel):
@@ -230,7 +230,7 @@ class AgentSpec(APIModel):
                     "reset(task) -> the chat to start from and step(reply) -> Step(observation, "
                     "reward, done), the gymnasium / skyrl-gym shape; made once per episode. Its "
                     "rewards, summed over the episode, replace spec.reward. Embedded: "
-                    "kuberl.agents.calculator:Calculator (a two-turn tool-use toy task).")
+                    "kuberl.rollout.agents.calculator:Calculator (a two-turn tool-use toy task).")
     harness: AgentHarnessSpec | None = Field(None, description="An agent program that talks to the "
                                              "endpoint's Anthropic or OpenAI API itself and returns a reward.")
     max_turns: int = Field(8, ge=1, le=1024, description="environment: model replies per episode at most; "

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from kuberl.api.crd import openapi_schema
 from kuberl.api.types import RLTrainingJob
-from kuberl.uri import URIError, parse, revision_problem
+from kuberl.api.uri import URIError, parse, revision_problem
 
 
 class ManifestError(ValueError):

@@ -15,8 +15,8 @@ import logging
 import os
 import uuid
 
-from kuberl.plan import Paths
-from kuberl.samples import Sample
+from kuberl.common.samples import Sample
+from kuberl.job.plan import Paths
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class RolloutEngine:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from kuberl.metrics import start_pod_exporter
+        from kuberl.common.metrics import start_pod_exporter
         from kuberl.storage import resolve
 
         start_pod_exporter("rollout", engine_index)

@@ -10,8 +10,8 @@ import logging
 
 import ray
 
-from kuberl.plan import RunPlan
-from kuberl.samples import Sample
+from kuberl.common.samples import Sample
+from kuberl.job.plan import RunPlan
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import fsspec
 
 from kuberl.storage.errors import StorageError
-from kuberl.uri import ParsedURI
+from kuberl.api.uri import ParsedURI
 
 DEFAULT_PVC_ROOT = "/mnt/pvc"
 

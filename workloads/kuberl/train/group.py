@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 import ray
 
-from kuberl.plan import Resume, RunPlan
-from kuberl.samples import TrainBatch
+from kuberl.common.samples import TrainBatch
+from kuberl.job.plan import Resume, RunPlan
 from kuberl.train.checkpoint import CONCURRENCY_GROUP, find_checkpoint
 
 log = logging.getLogger("kuberl.train")
@@ -49,7 +49,7 @@ class TrainerActor:
         """Returns (node id, GPU id) of this rank: where colocated engines go."""
         import torch
 
-        from kuberl.metrics import start_pod_exporter
+        from kuberl.common.metrics import start_pod_exporter
         from kuberl.storage import resolve
         from kuberl.train.checkpoint import RankCheckpointer
         from kuberl.train.worker import TrainerWorker

@@ -4,7 +4,7 @@ For each prompt, ``groupSize`` episodes. Each opens an episode key in the endpoi
 ``EpisodeLog``, with the run's sampling (``algorithm.temperature``, ``topP``, ``topK``, ``stop``,
 a seed per episode, ``agent.maxTokensPerTurn``), and plays one of the two forms of ``spec.agent``:
 
-- ``environment``: a Python class with ``reset``/``step`` (``kuberl.agents.environment``). The loop
+- ``environment``: a Python class with ``reset``/``step`` (``kuberl.rollout.agents.environment``). The loop
   here is an Anthropic Messages client: the model's reply comes from ``POST /v1/messages``, ``step``
   turns it into an observation (a tool's output) that goes back as the next user message, until the
   environment says done, ``maxTurns`` replies were made or the context is full. The reward is the
@@ -37,12 +37,12 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-from kuberl.agents.environment import AgentError, Task, as_step, first_chat, load_environment
+from kuberl.common.prompts import Prompt
+from kuberl.common.reward_values import as_reward
+from kuberl.common.samples import Sample
+from kuberl.rollout.agents.environment import AgentError, Task, as_step, first_chat, load_environment
 from kuberl.rollout.server import NO_ROOM
 from kuberl.rollout.transitions import EpisodeLog, EpisodeSampling, episode_to_sample
-from kuberl.samples import Sample
-from kuberl.train.data import Prompt
-from kuberl.train.rewards import as_reward
 
 ANTHROPIC_VERSION = "2023-06-01"
 # A CPU engine under a full step's episodes answers slowly; a turn that takes longer is a fault.

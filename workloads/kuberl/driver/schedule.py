@@ -1,7 +1,7 @@
 """Which rollout the engines generate, which one the trainer trains on, and when the engines get
 new weights: the synchronous step and the one-step asynchronous one (``spec.algorithm.asyncRollout``).
 
-Pure: ``step_actions`` lists what one step does and the driver (``GRPODriver.train_step``) does
+Pure: ``step_actions`` lists what one step does and the driver (``Driver.train_step``) does
 it. Weight version ``v`` is the model after ``v`` training steps (0: the initial one); the
 trainer holds version ``n`` when step ``n`` starts, and the engines receive ``n + 1`` at its end.
 
@@ -29,7 +29,7 @@ rollout) generates its own rollout first, with its own weights; the last step ge
 At a step boundary nothing is being generated: under the asynchronous schedule the engines have
 finished step ``n + 1``'s rollout, which is held, not yet trained on. It came from weights ``n``,
 which a checkpoint of step ``n + 1`` no longer has, so a resumed run could not regenerate it:
-the checkpoint records it (``GRPODriver.save``), and the resumed run trains on it (``held``).
+the checkpoint records it (``Driver.save``), and the resumed run trains on it (``held``).
 Everything generated later comes from weights the checkpoint has, with sampling seeds that are a
 function of (seed, step), so the resumed run repeats the uninterrupted one exactly.
 """

@@ -1,5 +1,5 @@
 """Experiment tracking (``spec.tracking``): every step's metrics to W&B, MLflow and/or
-TensorBoard, through the library each tool ships; Prometheus (``kuberl.metrics``) is always on.
+TensorBoard, through the library each tool ships; Prometheus (``kuberl.common.metrics``) is always on.
 
 Each library is imported only when its tracker is configured, so a job without ``spec.tracking``
 needs none of them (they come with the ``tracking`` extra). Offline modes need no server:

@@ -10,10 +10,10 @@ import argparse
 import logging
 import sys
 
+from kuberl.api.uri import URIError
 from kuberl.storage.checkpoints import checkpoint_to_restore
 from kuberl.storage.errors import StorageError
 from kuberl.storage.staging import DEFAULT_PART_SIZE, DEFAULT_WORKERS, stage
-from kuberl.uri import URIError
 
 
 def _size(text: str) -> int:

@@ -14,8 +14,8 @@ import time
 from typing import Any, Callable, Sequence
 
 from kuberl.api.types import ValidationSpec
-from kuberl.train.data import Prompt
-from kuberl.train.rewards import RewardInput
+from kuberl.common.prompts import Prompt
+from kuberl.driver.rewards import RewardInput
 
 log = logging.getLogger("kuberl.train")
 

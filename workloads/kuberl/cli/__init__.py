@@ -7,11 +7,11 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "render": ("kuberl.render_cli", "print the Kubernetes objects for an RLTrainingJob manifest"),
+    "render": ("kuberl.cli.render", "print the Kubernetes objects for an RLTrainingJob manifest"),
     "crd": ("kuberl.api.crd", "print the RLTrainingJob CustomResourceDefinition"),
-    "stage": ("kuberl.stage", "copy a model, data set or checkpoint to a local directory"),
-    "train": ("kuberl.train.__main__", "run training (the Ray driver)"),
-    "check-data": ("kuberl.check_data", "check a staged data file against the job's spec.data"),
+    "stage": ("kuberl.cli.stage", "copy a model, data set or checkpoint to a local directory"),
+    "train": ("kuberl.driver.__main__", "run training (the Ray driver)"),
+    "check-data": ("kuberl.cli.check_data", "check a staged data file against the job's spec.data"),
 }
 
 
@@ -31,7 +31,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
     return module.main(argv[1:])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict
 
-from kuberl import uri as uris
+from kuberl.api import uri as uris
 from kuberl.api import types as t
 
 PLAN_FILE = "plan.yaml"

@@ -4,7 +4,7 @@ One job becomes:
 - a KubeRay ``ray.io/v1`` RayJob whose ``rayClusterSpec`` has a head group (runs the driver), a
   ``trainer`` worker group and, unless colocated, a ``rollout`` worker group;
 - a ConfigMap with the resolved job (the same RLTrainingJob type, every default filled in) and
-  the run plan (``kuberl.plan``: topology, in-pod paths, checkpoint targets, resume source),
+  the run plan (``kuberl.job.plan``: topology, in-pod paths, checkpoint targets, resume source),
   mounted at /etc/kuberl in every Ray container;
 - a ServiceAccount, Role and RoleBinding whose only right is ``patch`` on this one job's status,
   so the workload can report progress and nothing else.
@@ -24,8 +24,8 @@ from typing import Any
 
 import yaml
 
-from kuberl import plan as plans
-from kuberl import uri as uris
+from kuberl.job import plan as plans
+from kuberl.api import uri as uris
 from kuberl.api import types as t
 from kuberl.api.validate import validate_manifest
 
@@ -379,7 +379,7 @@ def render_ray_job(job: t.RLTrainingJob, *, attempt: int = 0, plan: plans.RunPla
         "kind": "RayJob",
         "metadata": metadata,
         "spec": {
-            "entrypoint": f"python -m kuberl.train --config {CONFIG_DIR}/{CONFIG_FILE}",
+            "entrypoint": f"python -m kuberl.driver --config {CONFIG_DIR}/{CONFIG_FILE}",
             "submissionMode": "K8sJobMode",
             "shutdownAfterJobFinishes": True,
             # kuberl restarts from checkpoints itself (spec.backoffLimit), with a fresh RayJob.
@@ -459,7 +459,7 @@ def check_runnable_in_pods(job: t.RLTrainingJob) -> None:
 
 def render(job: t.RLTrainingJob, *, attempt: int = 0, plan: plans.RunPlan | None = None) -> list[dict[str, Any]]:
     """Every object for ``job``, in the order to apply them (identity and config before the RayJob).
-    What an attempt restores comes from the spec alone (``kuberl.plan.resume``). ``plan``:
+    What an attempt restores comes from the spec alone (``kuberl.job.plan.resume``). ``plan``:
     ``plans.for_cluster(job, attempt)`` when the caller has built it already; built here once
     otherwise, for the ConfigMap and the RayJob alike."""
     check_runnable_in_pods(job)

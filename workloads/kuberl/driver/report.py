@@ -156,9 +156,9 @@ def user_errors_reported(reporter: StatusReporter, attempt: int) -> Iterator[Non
     does not parse) go to status.workloadError before they end the run: the operator then fails
     the job naming them, where a restart would only repeat them (a resumed run replays the same
     episodes and rewards)."""
-    from kuberl.agents.environment import AgentError
-    from kuberl.train.data import DataError
-    from kuberl.train.rewards import RewardError
+    from kuberl.common.reward_values import RewardError
+    from kuberl.driver.data import DataError
+    from kuberl.rollout.agents.environment import AgentError
 
     try:
         yield

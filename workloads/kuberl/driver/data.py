@@ -14,11 +14,11 @@ import json
 import logging
 import random
 from collections.abc import Collection
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kuberl.api.types import DataSpec
+from kuberl.common.prompts import ROLES, Prompt
 from kuberl.storage import filesystems
 from kuberl.storage.errors import StorageError
 
@@ -27,19 +27,6 @@ log = logging.getLogger("kuberl.train")
 
 class DataError(ValueError):
     """The data set cannot be used; the message names the file, the line and the field."""
-
-
-ROLES = ("system", "user", "assistant")
-
-
-@dataclass(frozen=True)
-class Prompt:
-    text: str  # the last user message, template applied: what reward functions see as the prompt
-    answer: Any
-    index: int  # position in the data set
-    messages: tuple[dict[str, str], ...] = ()  # the chat the model is given (system prompt included)
-    data_source: str = ""
-    extra_info: dict = field(default_factory=dict)
 
 
 SUFFIXES = {"jsonl": (".jsonl",), "parquet": (".parquet",)}

@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, Iterator, TextIO
 
-from kuberl.train.report import StatusReporter
+from kuberl.driver.report import StatusReporter
 
 LOG_FILE = "kuberl-train.log"
 LOGS, BAR, LINES = "logs", "bar", "lines"

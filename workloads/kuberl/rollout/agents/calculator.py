@@ -1,6 +1,6 @@
 """The embedded two-turn tool-use task: ask the calculator, then answer.
 
-Rows (``kuberl.tiny.make_calculator_data``) ask for the value of a small sum whose result is one
+Rows (``kuberl.driver.tiny.make_calculator_data``) ask for the value of a small sum whose result is one
 digit. Turn 1 is the tool call: a reply containing ``=`` calls the calculator on the question's
 expression, and its output (``calculator: 3``) comes back as the next user message; a reply
 without it gets a hint instead. Turn 2 is the answer. The reward is 0 without a tool call, and
@@ -12,7 +12,7 @@ a random-weight character model can take on a CPU: first calling the tool, then 
 The tool-call syntax is a single character because the tiny model writes characters at random;
 an environment for a real model parses real tool calls (JSON, XML tags) from ``action`` the same way.
 
-The same task is also a harness (``spec.agent.harness``), ``python -m kuberl.agents.calculator``:
+The same task is also a harness (``spec.agent.harness``), ``python -m kuberl.rollout.agents.calculator``:
 an agent program that drives ``Calculator`` with the Anthropic SDK, as any external agent would.
 """
 
@@ -24,7 +24,7 @@ import operator
 import os
 import sys
 
-from kuberl.agents.environment import AgentError, Step, Task
+from kuberl.rollout.agents.environment import AgentError, Step, Task
 
 CALL = "="
 CALL_BONUS = 0.2
@@ -48,7 +48,7 @@ class Calculator:
     def reset(self, task: Task) -> list[dict[str, str]]:
         if "expression" not in task.extra_info:
             raise AgentError("Calculator: the data row's extra_info (spec.data.extraInfoField) has no "
-                             "'expression'; use the rows python -m kuberl.tiny writes (data/calculator.jsonl)")
+                             "'expression'; use the rows python -m kuberl.driver.tiny writes (data/calculator.jsonl)")
         self.expression = task.extra_info["expression"]
         self.answer = str(task.answer)
         self.called = False

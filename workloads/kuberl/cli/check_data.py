@@ -14,11 +14,11 @@ from pathlib import Path
 
 import yaml
 
-from kuberl import usercode
-from kuberl.agents.environment import AgentError
 from kuberl.api.validate import ManifestError, validate_manifest
-from kuberl.train.data import DataError, load_for_spec
-from kuberl.train.rewards import RewardError
+from kuberl.common.reward_values import RewardError
+from kuberl.driver.data import DataError, load_for_spec
+from kuberl.driver.preflight import check_user_code
+from kuberl.rollout.agents.environment import AgentError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         # The head pod's first container with the worker image: the code the job names is loaded
         # here too, so a missing module fails before Ray, engines or trainers start.
         try:
-            usercode.check(job.spec)
+            check_user_code(job.spec)
         except (RewardError, AgentError) as exc:
             print(f"kuberl check-data: {exc}", file=sys.stderr)
             return 1

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import yaml
 
+from kuberl.api.uri import URIError
 from kuberl.api.validate import ManifestError
-from kuberl.render import RenderError, render_manifest
-from kuberl.uri import URIError
+from kuberl.job.render import RenderError, render_manifest
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ The shape is gymnasium's and skyrl-gym's, over text::
 and ``reset`` gymnasium's ``(observation, info)``. The class is named by import path,
 ``module.path:Class`` like ``spec.reward.function``, and made with no arguments, once per episode.
 An episode's reward is the sum of its steps' rewards; each step's reward, and the sum, is a number
-as ``kuberl.train.rewards.as_reward`` says (not a string or a bool, finite, bounded).
+as ``kuberl.common.reward_values.as_reward`` says (not a string or a bool, finite, bounded).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from kuberl.train.data import ROLES
-from kuberl.usercode import resolve
-from kuberl.train.rewards import as_reward
+from kuberl.common.prompts import ROLES
+from kuberl.common.reward_values import as_reward
+from kuberl.common.usercode import resolve
 
 
 class AgentError(ValueError):

@@ -2,14 +2,14 @@
 
 Each step: the step's prompts (a pure function of seed and step) -> ``groupSize`` samples per
 prompt from the rollout engines (with ``spec.agent``, episodes through the endpoint:
-``kuberl.agents.episodes``) -> rewards, shaped by the algorithm -> the groups it trains on
+``kuberl.rollout.agents.episodes``) -> rewards, shaped by the algorithm -> the groups it trains on
 (dynamic sampling refills dropped ones) -> its advantages -> the log-probs it needs from the
-trainer -> policy updates over mini-batches (``kuberl.train.updates``; the trainer's loss is the
+trainer -> policy updates over mini-batches (``kuberl.driver.updates``; the trainer's loss is the
 algorithm's too) -> weight sync to the engines -> validation when due -> metrics, trackers, progress
 and, every ``intervalSteps``, a checkpoint. The algorithm is ``spec.algorithm.name`` looked up once
 in ``kuberl.train.algorithms.registry``, here and in ``TrainerConfig.from_spec``. With
 ``spec.algorithm.asyncRollout`` the next step's rollout is generated in a background thread
-while the trainer trains (``kuberl.train.schedule`` orders generation, training and weight sync).
+while the trainer trains (``kuberl.driver.schedule`` orders generation, training and weight sync).
 Everything a resumed run needs is in the checkpoint (trainer state, step, weight version, and the
 rollout generated but not yet trained on), so a resumed run continues exactly where it stopped.
 """
@@ -29,20 +29,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from kuberl import metrics as pod_metrics
 from kuberl.api.types import RLTrainingJob
-from kuberl.plan import RunPlan
-from kuberl.samples import Sample, TrainBatch
-from kuberl.train import schedule
+from kuberl.common import metrics as pod_metrics
+from kuberl.common.prompts import Prompt
+from kuberl.common.samples import Sample, TrainBatch
+from kuberl.driver import schedule
+from kuberl.driver.checkpoints import CheckpointManager
+from kuberl.driver.data import PromptStream, check_prompt_lengths, load_for_spec, steps_for_epochs
+from kuberl.driver.report import StatusReporter
+from kuberl.driver.rewards import RewardInput, RewardWorkers
+from kuberl.driver.sampling import fill_groups
+from kuberl.driver.tracking import Trackers
+from kuberl.driver.updates import policy_updates
+from kuberl.driver.validation import Validator
+from kuberl.job.plan import RunPlan
 from kuberl.train.algorithms import registry
-from kuberl.train.algorithms.sampling import fill_groups
-from kuberl.train.checkpoint import CheckpointManager
-from kuberl.train.data import Prompt, PromptStream, check_prompt_lengths, load_for_spec, steps_for_epochs
-from kuberl.train.report import StatusReporter
-from kuberl.train.rewards import RewardInput, RewardWorkers
-from kuberl.train.tracking import Trackers
-from kuberl.train.updates import policy_updates
-from kuberl.train.validation import Validator
 
 log = logging.getLogger("kuberl.train")
 
@@ -64,7 +65,7 @@ class StepResult:
 # Which trainer method computes each log-prob an algorithm asks for (Algorithm.logprobs).
 LOGPROB_METHODS = {"old": "log_probs", "ref": "ref_log_probs"}
 
-# A step's rollout: its batch, its prompts' task rewards, the rollout's metrics (GRPODriver.rollout).
+# A step's rollout: its batch, its prompts' task rewards, the rollout's metrics (Driver.rollout).
 Rollout = tuple[list[Sample], list[float], dict[str, float]]
 
 
@@ -108,7 +109,7 @@ def engine_logprob_gap(samples: Sequence[Sample], trainer_logprobs: Sequence[Seq
 def check_advantages(step: int, algorithm: str, samples: Sequence[Sample], advantages: Sequence[float]) -> None:
     """Refuse a non-finite advantage before any update: one NaN or inf makes the step's loss and
     every weight it touches NaN, and the run trains on garbage from then on. Rewards are checked
-    where they are made (finite, bounded: ``kuberl.train.rewards.as_reward``), so this is the
+    where they are made (finite, bounded: ``kuberl.common.reward_values.as_reward``), so this is the
     algorithm's fault, named with the group and its rewards."""
     for sample, advantage in zip(samples, advantages, strict=True):
         if not math.isfinite(advantage):
@@ -146,7 +147,9 @@ class Preemption:
         self.requested = True
 
 
-class GRPODriver:
+class Driver:
+    """The loop of one run, for whichever algorithm ``spec.algorithm.name`` names."""
+
     def __init__(self, job: RLTrainingJob, plan: RunPlan, *, trainer: Any, engines: Any, weight_sync: Any,
                  tokenizer: Any, data_path: str, checkpoints: CheckpointManager, reporter: StatusReporter,
                  preemption: Preemption | None = None, metrics_file: Path | None = None,
@@ -172,7 +175,7 @@ class GRPODriver:
         self.reward_fn = RewardWorkers(self.spec.reward) if self.spec.agent is None else None
         self.agent = None
         if self.spec.agent is not None:  # episodes through the endpoint, which records their tokens
-            from kuberl.agents.episodes import AgentRollout
+            from kuberl.rollout.agents.episodes import AgentRollout
             from kuberl.rollout.transitions import EpisodeLog
 
             episodes = EpisodeLog()
@@ -192,7 +195,7 @@ class GRPODriver:
         self.step = 0
         self.weight_version = 0
         # Rollouts generated, or being generated, and not yet trained on, by step
-        # (kuberl.train.schedule: at most the current step's and, asynchronous, the next one's).
+        # (kuberl.driver.schedule: at most the current step's and, asynchronous, the next one's).
         self._rollouts: dict[int, Future] = {}
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         self._timing = threading.local()  # .phases: what _phase adds to, per thread
@@ -327,7 +330,7 @@ class GRPODriver:
         return samples, task_rewards, metrics
 
     def train_step(self, step: int) -> StepResult:
-        """Step ``step`` as ``kuberl.train.schedule.step_actions`` lays it out: its rollout (unless
+        """Step ``step`` as ``kuberl.driver.schedule.step_actions`` lays it out: its rollout (unless
         generated already), with asyncRollout the next step's generated in the background beside
         the updates, then the weight sync."""
         import torch
@@ -394,7 +397,7 @@ class GRPODriver:
 
     def _logprobs(self, name: str, batch: TrainBatch) -> list[list[float]]:
         """The behaviour policy's ("old") log-probs, before the first update: the ratio of every
-        update is measured against them (kuberl.train.updates). Synchronous, the trainer
+        update is measured against them (kuberl.driver.updates). Synchronous, the trainer
         recomputes them with its own numerics: it still holds the weights that generated the
         rollout. With asyncRollout it is a step ahead of those weights, so they are the engines'
         (vLLM's, after temperature, as the tokens were drawn)."""

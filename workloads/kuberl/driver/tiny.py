@@ -6,7 +6,7 @@ head_dim 64 (vLLM's CPU attention kernels reject smaller heads). The tokenizer i
 which keeps the vocabulary small and makes the toy task (write the letter asked for) learnable by
 GRPO within minutes on a CPU.
 
-    python -m kuberl.tiny /opt/kuberl/tiny   # model/, moe-model/, data/{repeat_letter,calculator}.jsonl
+    python -m kuberl.driver.tiny /opt/kuberl/tiny   # model/, moe-model/, data/{repeat_letter,calculator}.jsonl
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ RESULTS = "1234"
 
 
 def calculator_rows(n: int, seed: int = 0, results: str = RESULTS) -> list[dict]:
-    """The two-turn tool-use task (``kuberl.agents.calculator``): the question names a sum, the
+    """The two-turn tool-use task (``kuberl.rollout.agents.calculator``): the question names a sum, the
     calculator gives its value, the answer is that digit."""
     rng = random.Random(seed)
     rows = []
@@ -145,7 +145,7 @@ def make_all(root: str | Path) -> dict[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kuberl.tiny", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m kuberl.driver.tiny", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("root", help="directory to create model/, moe-model/ and data/ in")
     args = parser.parse_args(argv)

@@ -9,7 +9,7 @@ The driver calls ``start_exporter()`` once and ``record_step(metrics)`` with its
 rollout, checkpoint and staging code call ``record_rollout``/``record_checkpoint``/
 ``record_stage``. Those calls do nothing in a process that started no exporter (a local run), so
 callers need not check. ``prometheus_client`` is imported only when an exporter is started, which
-keeps ``import kuberl.metrics`` free for code paths that never export.
+keeps ``import kuberl.common.metrics`` free for code paths that never export.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def start_exporter(port: int | None = None, *, addr: str = "0.0.0.0", job: str |
         if port is None:
             raw = os.environ.get("KUBERL_METRICS_PORT")
             if not raw:
-                raise ValueError("kuberl.metrics.start_exporter: no port given and KUBERL_METRICS_PORT is unset")
+                raise ValueError("kuberl.common.metrics.start_exporter: no port given and KUBERL_METRICS_PORT is unset")
             try:
                 port = int(raw)
             except ValueError:

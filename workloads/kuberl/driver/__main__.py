@@ -1,4 +1,4 @@
-"""`python -m kuberl.train --config job.yaml` (or `kuberl train`): the Ray driver.
+"""`python -m kuberl.driver --config job.yaml` (or `kuberl train`): the Ray driver.
 
 The same command runs inside a KubeRay cluster (the RayJob's entrypoint, config and run plan from
 the job's ConfigMap, model staged by init containers) and on a laptop (a local Ray and a local
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import yaml
 
-from kuberl import plan as plans
 from kuberl.api.types import RLTrainingJob
 from kuberl.api.validate import ManifestError, validate_manifest
-from kuberl.train import progress
+from kuberl.driver import progress
+from kuberl.job import plan as plans
 
 log = logging.getLogger("kuberl.train")
 DEFAULT_HOME = Path(os.environ.get("KUBERL_CACHE", Path.home() / ".cache" / "kuberl"))
@@ -35,7 +35,7 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 def embedded_job(root: Path) -> RLTrainingJob:
     """A GRPO run on the tiny model and the repeat-letter task, made under ``root`` if missing."""
-    from kuberl import tiny
+    from kuberl.driver import tiny
 
     model, data = root / "model", root / "data" / "repeat_letter.jsonl"
     if not (model / "config.json").exists():
@@ -77,23 +77,23 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     import ray
     from transformers import AutoTokenizer
 
-    from kuberl import usercode
-    from kuberl.metrics import start_pod_exporter
+    from kuberl.common.metrics import start_pod_exporter
+    from kuberl.driver.checkpoints import CheckpointManager
+    from kuberl.driver.loop import Driver, Preemption
+    from kuberl.driver.preflight import check_user_code
+    from kuberl.driver.report import reporter_from_env, user_errors_reported
+    from kuberl.driver.tracking import make_trackers
     from kuberl.rollout.pool import EnginePool
     from kuberl.storage import resolve
     from kuberl.sync import make_weight_sync
-    from kuberl.train.checkpoint import CheckpointManager
-    from kuberl.train.driver import GRPODriver, Preemption
     from kuberl.train.group import TrainerGroup
-    from kuberl.train.report import reporter_from_env, user_errors_reported
-    from kuberl.train.tracking import make_trackers
 
     spec = job.spec
     reporter = reporter_from_env() if display is None else progress.ConsoleReporter(display)
     with user_errors_reported(reporter, plan.attempt):
         # The job's own code first: a reward function or environment class that cannot be loaded
         # fails the job here, naming the field, before Ray, engines or trainers take any GPU time.
-        usercode.check(spec)
+        check_user_code(spec)
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):  # inside a RayJob: the cluster kuberl render described
             ray.init(address=os.environ["RAY_ADDRESS"])
@@ -128,7 +128,7 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
                                  run_id=job.metadata.uid or job.metadata.name,
                                  config=job.model_dump(mode="json", by_alias=True, exclude_none=True)["spec"],
                                  work_dir=Path(plan.paths.scratch))
-        driver = GRPODriver(job, plan, trainer=trainer, engines=engines, weight_sync=weight_sync, tokenizer=tokenizer,
+        driver = Driver(job, plan, trainer=trainer, engines=engines, weight_sync=weight_sync, tokenizer=tokenizer,
                             data_path=data_path, checkpoints=checkpoints, reporter=reporter, preemption=preemption,
                             metrics_file=metrics_file, validation_path=validation_path, trackers=trackers,
                             exporter=lambda step: trainer.export_hugging_face(plan.checkpoints.export_uri_at(step)))

@@ -8,7 +8,7 @@ The batch reward interface (docs/rewards.md)::
 One call gets a contiguous share of the step's samples (``spec.reward.workers`` shares, each in
 its own Ray task reserving ``spec.reward.cpusPerWorker`` CPUs) and returns one number per input,
 in order: a real number (not a string, not a bool), finite, at most ``MAX_ABS_REWARD`` in
-magnitude (``as_reward``). Each ``RewardInput`` carries the prompt, the response, the reference
+magnitude (``kuberl.common.reward_values.as_reward``). Each ``RewardInput`` carries the prompt, the response, the reference
 answer, the row's ``data_source`` and ``extra_info``, and the prompt/response token lengths
 (overlong shaping), so a function can score per sample, batch calls to a verifier, or shape by
 length. The step's calls have ``spec.reward.timeoutSeconds`` together (a verifier that hangs must
@@ -18,15 +18,14 @@ killed and the step fails, naming the function.
 
 from __future__ import annotations
 
-import math
-import numbers
 import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from kuberl.api.types import RewardSpec
-from kuberl.usercode import resolve
+from kuberl.common.reward_values import RewardError, as_reward
+from kuberl.common.usercode import resolve
 
 
 @dataclass(frozen=True)
@@ -106,40 +105,6 @@ def repeat_letter(batch: Sequence[RewardInput]) -> list[float]:
 
 BUILTINS: dict[str, RewardFn] = {"gsm8k_strict": gsm8k_strict, "gsm8k_flexible": gsm8k_flexible,
                                  "repeat_letter": repeat_letter}
-
-
-class RewardError(ValueError):
-    """The reward function cannot be loaded, returned something unusable, failed or ran too long."""
-
-
-# The largest reward magnitude a run trains on. Rewards are scores (0 or 1, [-1, 1], a few points);
-# one past a million is a bug (a count, a timestamp, an overflow) that would swamp the advantages
-# of the algorithms that do not divide by the group's spread (dr-grpo, rloo) and, near 1e154, overflow
-# even the float64 squares of GRPO's variance. An error, not a clamp: a clamped bug trains silently.
-MAX_ABS_REWARD = 1e6
-
-
-def as_reward(value: Any, where: str, error: type[ValueError] = RewardError) -> float:
-    """``value`` as a reward, or ``error`` naming ``where``: a real number (int, float, a numpy or
-    torch scalar), finite, with ``|value| <= MAX_ABS_REWARD``. A string is refused, "1e3" too: a
-    reward read from text is the function's job, where it knows the format. A bool is refused
-    as well (although Python counts it an int): ``True`` is a predicate, where a score was meant,
-    and numpy's ``bool_`` is no number at all, so ``float(ok)`` says which is meant, for both alike."""
-    if callable(getattr(value, "item", None)) and getattr(value, "shape", None) == ():  # numpy, torch
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise error(f"{where} is {value!r:.100} ({type(value).__name__}), not a number: return an int or a "
-                    f"float (a string is not parsed, and a bool needs float(...))")
-    bound = f"the bound |reward| <= {MAX_ABS_REWARD:g} (kuberl.train.rewards.MAX_ABS_REWARD); scale the reward into it"
-    try:
-        number = float(value)
-    except OverflowError:
-        raise error(f"{where} is an int past float's range, beyond {bound}") from None
-    if not math.isfinite(number):
-        raise error(f"{where} is {number}, not finite")
-    if abs(number) > MAX_ABS_REWARD:
-        raise error(f"{where} is {number:g}, beyond {bound}")
-    return number
 
 
 def reward_name(spec: RewardSpec) -> str:

@@ -7,7 +7,7 @@ the rollouts), before the first update. The batch is then cut into mini-batches 
 from the behaviour policy, the importance ratio moves away from 1 and the PPO clip
 (``clipRatioLow``/``clipRatioHigh``) binds; with a single update it cannot, unless
 ``asyncRollout``: then the rollout is a step older than the weights and ``old_logprobs`` are the
-engines' own (``kuberl.train.schedule``).
+engines' own (``kuberl.driver.schedule``).
 
 The algorithm (``kuberl.train.algorithms``) composes here: the driver computes the log-probs
 and advantages it asks for, and each update's loss on the trainer is the algorithm's.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from kuberl.samples import TrainBatch
+from kuberl.common.samples import TrainBatch
 
 # Per-update metrics averaged over updates weighted by their trained tokens (each is a token mean).
 TOKEN_MEANS = ("loss", "pg_loss", "kl", "entropy", "aux_loss", "clip_frac")
