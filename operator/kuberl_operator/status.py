@@ -148,7 +148,7 @@ def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] 
     conditions: list[dict[str, str]] = []
     rj_status = (ray_job or {}).get("status") or {}
     cluster_state = ((ray_cluster or {}).get("status") or {}).get("state") or ""
-    expected_pods = plan.topology.expected_pods
+    expected_pods = plan.layout.expected_pods
     running_pods = _running_pods(pods)
     message = ""
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from kuberl import uri as uris
 from kuberl.api import types as t
@@ -43,8 +43,9 @@ class Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class Topology(Frozen):
-    """Processes and what each asks Ray for. Colocated engines ask for no GPU of their own: the
+class ProcessLayout(Frozen):
+    """How many processes of each kind run where (pods, trainer ranks, engines), and what each asks
+    Ray for; the machine's own topology (NUMA nodes, GPUs, CPUs) is ``kuberl.numa.topology``'s. Colocated engines ask for no GPU of their own: the
     trainer ranks hold every GPU of a pod, and each engine runs on the GPUs of trainer ranks of
     its node (sleeping while they train), so the pod's GPUs are counted exactly once."""
 
@@ -120,7 +121,8 @@ class RunPlan(Frozen):
     job: str
     namespace: str
     attempt: int
-    topology: Topology
+    # plan.yaml of a job rendered before the rename says ``topology``: still read.
+    layout: ProcessLayout = Field(validation_alias=AliasChoices("layout", "topology"))
     paths: Paths
     checkpoints: Checkpoints
     resume: Resume
@@ -132,7 +134,7 @@ class RunPlan(Frozen):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-def topology(spec: t.RLTrainingJobSpec) -> Topology:
+def process_layout(spec: t.RLTrainingJobSpec) -> ProcessLayout:
     trainer, rollout = spec.trainer, spec.rollout
     ranks_per_pod = trainer.gpus_per_replica or trainer.processes_per_replica
     gpus_per_rank = 1 if trainer.gpus_per_replica else 0
@@ -151,7 +153,7 @@ def topology(spec: t.RLTrainingJobSpec) -> Topology:
         gpus_per_engine = tp if rollout.gpus_per_replica else 0
         groups = {TRAINER_GROUP: {TRAINER_RESOURCE: ranks_per_pod},
                   ROLLOUT_GROUP: {ROLLOUT_RESOURCE: engines_per_pod}}
-    return Topology(
+    return ProcessLayout(
         trainer_pods=trainer.replicas, ranks_per_pod=ranks_per_pod,
         world_size=trainer.replicas * ranks_per_pod, gpus_per_rank=gpus_per_rank,
         rollout_pods=rollout_pods, engines_per_pod=engines_per_pod, engines=engines,
@@ -189,7 +191,7 @@ def for_cluster(job: t.RLTrainingJob, attempt: int = 0) -> RunPlan:
     spec = job.spec
     return RunPlan(
         job=job.metadata.name, namespace=job.metadata.namespace, attempt=attempt,
-        topology=topology(spec),
+        layout=process_layout(spec),
         paths=Paths(model=in_pod_path(spec.model.uri, MODEL_DIR, "spec.model.uri"),
                     data=in_pod_path(spec.data.uri, DATA_DIR, "spec.data.uri"),
                     validation_data=(in_pod_path(spec.validation.uri, VALIDATION_DATA_DIR, "spec.validation.uri")
@@ -205,7 +207,7 @@ def local(job: t.RLTrainingJob, work_dir: Path, attempt: int = 0) -> RunPlan:
     revision = spec.model.revision if model.info.hub else None
     return RunPlan(
         job=job.metadata.name, namespace=job.metadata.namespace, attempt=attempt,
-        topology=topology(spec),
+        layout=process_layout(spec),
         paths=Paths(model=spec.model.uri, model_revision=revision, data=spec.data.uri,
                     validation_data=spec.validation.uri if spec.validation is not None else None,
                     scratch=str(Path(work_dir) / "scratch")),

@@ -4,7 +4,7 @@ One job becomes:
 - a KubeRay ``ray.io/v1`` RayJob whose ``rayClusterSpec`` has a head group (runs the driver), a
   ``trainer`` worker group and, unless colocated, a ``rollout`` worker group;
 - a ConfigMap with the resolved job (the same RLTrainingJob type, every default filled in) and
-  the run plan (``kuberl.plan``: topology, in-pod paths, checkpoint targets, resume source),
+  the run plan (``kuberl.plan``: process layout, in-pod paths, checkpoint targets, resume source),
   mounted at /etc/kuberl in every Ray container;
 - a ServiceAccount, Role and RoleBinding whose only right is ``patch`` on this one job's status,
   so the workload can report progress and nothing else.
@@ -344,7 +344,7 @@ def _worker_group(job: t.RLTrainingJob, group: str, replicas: int, res: t.Resour
             "num-gpus": str(gpus),
             # A custom resource per process slot places trainer and engine actors on their own
             # group (colocated: engine slots on the trainer pods); counts from the run plan.
-            "resources": ray_start_resources(plan.topology.group_resources[group]),
+            "resources": ray_start_resources(plan.layout.group_resources[group]),
             "metrics-export-port": str(RAY_METRICS_PORT),
         },
         "template": _pod_template(job, group, res, gpus, plan),
@@ -354,11 +354,11 @@ def _worker_group(job: t.RLTrainingJob, group: str, replicas: int, res: t.Resour
 def render_ray_job(job: t.RLTrainingJob, *, attempt: int = 0, plan: plans.RunPlan | None = None) -> dict[str, Any]:
     spec = job.spec
     plan = plan or plans.for_cluster(job, attempt)
-    topo = plan.topology
-    groups = [_worker_group(job, TRAINER_GROUP, topo.trainer_pods, spec.trainer.resources,
+    layout = plan.layout
+    groups = [_worker_group(job, TRAINER_GROUP, layout.trainer_pods, spec.trainer.resources,
                             spec.trainer.gpus_per_replica, plan)]
-    if topo.rollout_pods:
-        groups.append(_worker_group(job, ROLLOUT_GROUP, topo.rollout_pods, spec.rollout.resources,
+    if layout.rollout_pods:
+        groups.append(_worker_group(job, ROLLOUT_GROUP, layout.rollout_pods, spec.rollout.resources,
                                     spec.rollout.gpus_per_replica, plan))
     head = {
         "rayStartParams": {

@@ -144,8 +144,8 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
 
 def local_slots(plan: plans.RunPlan) -> int:
     """Ray CPU slots a local run needs: trainer ranks, engines with their own slot, one to spare."""
-    topo = plan.topology
-    return topo.world_size + (0 if topo.colocated else topo.engines) + 1
+    layout = plan.layout
+    return layout.world_size + (0 if layout.colocated else layout.engines) + 1
 
 
 def main(argv: list[str] | None = None) -> int:
