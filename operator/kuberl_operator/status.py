@@ -15,7 +15,7 @@ from typing import Any
 
 from kuberl.api import types as t
 from kuberl.plan import RunPlan
-from kuberl.render import ray_job_name
+from kuberl.contract import ray_job_name
 from kuberl_operator import observed as o
 
 STAGED = "Staged"
@@ -193,7 +193,7 @@ def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] 
             reason, message = "Suspending", "suspending: KubeRay is deleting the Ray cluster"
         conditions.append(_condition(SUSPENDED, True, reason, message))
     elif ray_job is None:
-        phase, message = "Pending", f"creating RayJob {ray_job_name(job, attempt)}"
+        phase, message = "Pending", f"creating RayJob {ray_job_name(job.metadata.name, attempt)}"
     elif init_failure:
         phase, message = "Staging", init_failure
         conditions.append(_condition(STAGED, False, "StageFailed", init_failure))
@@ -256,7 +256,7 @@ def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] 
         "message": message,
         "conditions": _merge_conditions(old.get("conditions", []), conditions, now, job.metadata.generation),
         "restarts": attempt,
-        "rayJobName": ray_job["metadata"]["name"] if ray_job else ray_job_name(job, attempt),
+        "rayJobName": ray_job["metadata"]["name"] if ray_job else ray_job_name(job.metadata.name, attempt),
     }
     if job.metadata.generation is not None:
         out["observedGeneration"] = job.metadata.generation

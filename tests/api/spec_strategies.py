@@ -147,11 +147,11 @@ def local_verdict(manifest: dict[str, Any]) -> str | None:
     """None when ``kuberl render`` accepts the manifest, else its error (anything other than the
     renderer's own errors propagates: a crash is a finding too)."""
     from kuberl.api.validate import ManifestError
-    from kuberl.render import RenderError, render_manifest
+    from kuberl.render import render_manifest
     from kuberl.uri import URIError
 
     try:
         render_manifest(manifest)
-    except (ManifestError, RenderError, URIError) as exc:
+    except (ManifestError, URIError) as exc:
         return str(exc)
     return None

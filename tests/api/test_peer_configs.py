@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from kuberl.api.validate import validate_manifest
-from kuberl.plan import PLAN_FILE, read as read_plan
+from kuberl.contract import PLAN_FILE
+from kuberl.plan import read as read_plan
 from kuberl.render import render_manifest
 
 CONFIGS = Path(__file__).parent / "peer_configs"

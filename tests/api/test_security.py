@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kuberl.api.validate import ManifestError, validate_manifest
-from kuberl.render import RAY_DASHBOARD_PORT, render_manifest
+from kuberl.contract import RAY_DASHBOARD_PORT
+from kuberl.render import render_manifest
 from kuberl.uri import URIError, parse, revision_problem
 from tests.api.bad_manifests import minimal_manifest
 

@@ -20,19 +20,9 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from kuberl import uri as uris
 from kuberl.api import types as t
+from kuberl.contract import (DATA_DIR, MODEL_DIR, PLAN_FILE, ROLLOUT_GROUP, ROLLOUT_RESOURCE, SCRATCH_DIR,
+                             TRAINER_GROUP, TRAINER_RESOURCE, VALIDATION_DATA_DIR)
 
-PLAN_FILE = "plan.yaml"
-STAGE_DIR = "/kuberl"
-MODEL_DIR = f"{STAGE_DIR}/model"
-DATA_DIR = f"{STAGE_DIR}/data"
-VALIDATION_DATA_DIR = f"{STAGE_DIR}/validation-data"
-# Pod-local scratch (an emptyDir): each trainer rank writes its checkpoint shards below
-# ``<scratch>/rank-<r>`` before uploading them, and nothing else ever reads them.
-SCRATCH_DIR = f"{STAGE_DIR}/scratch"
-TRAINER_RESOURCE = "kuberl_trainer"
-ROLLOUT_RESOURCE = "kuberl_rollout"
-TRAINER_GROUP = "trainer"
-ROLLOUT_GROUP = "rollout"
 EXPORT_DIR = "hf"
 # libyaml's safe loader when PyYAML has it (its wheels do): 15x faster than the pure-Python one,
 # and the operator reads every job's ConfigMap (spec and plan) on every reconcile.

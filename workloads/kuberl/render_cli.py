@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from kuberl.api.validate import ManifestError
-from kuberl.render import RenderError, render_manifest
+from kuberl.render import render_manifest
 from kuberl.uri import URIError
 
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             doc.setdefault("metadata", {}).setdefault("namespace", args.namespace)
         try:
             out += render_manifest(doc, attempt=args.attempt)
-        except (ManifestError, RenderError, URIError) as exc:
+        except (ManifestError, URIError) as exc:
             print(f"kuberl render: {args.filename}: {exc}", file=sys.stderr)
             return 1
     sys.stdout.write(yaml.safe_dump_all(out, sort_keys=False))

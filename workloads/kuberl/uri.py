@@ -17,10 +17,9 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Literal
 
-Scheme = Literal["s3", "gs", "hf", "pvc", "file"]
+from kuberl.contract import PVC_ROOT
 
-# Where pvc://<claim>/<path> is mounted inside a pod (``KUBERL_PVC_ROOT`` tells the workers).
-PVC_ROOT = "/mnt/pvc"
+Scheme = Literal["s3", "gs", "hf", "pvc", "file"]
 
 # A Hugging Face repo id: "name" or "org/name"; letters, digits, '-', '_', '.'.
 _HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")

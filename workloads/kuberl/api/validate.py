@@ -159,3 +159,14 @@ def uri_errors(job: RLTrainingJob) -> list[str]:
     if spec.model.revision is not None and (problem := revision_problem(spec.model.revision)):
         errors.append(f"spec.model.revision: {spec.model.revision!r} {problem}")
     return errors
+
+
+def pod_errors(job: RLTrainingJob) -> list[str]:
+    """What the schema leaves to the renderer because a local ``kuberl train`` may do without it:
+    in a pod, the Secret the spec names is the only way in (locally, ``wandb login`` is)."""
+    wandb = job.spec.tracking.wandb
+    if wandb is not None and wandb.mode == "online" and wandb.credentials is None:
+        return ["spec.tracking.wandb.credentials: mode online needs a Secret with WANDB_API_KEY, which the head "
+                "pod logs in with; set credentials: {name: <secret>}, or mode: offline to write the run for a "
+                "later `wandb sync`"]
+    return []
