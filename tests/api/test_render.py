@@ -255,6 +255,29 @@ def test_a_plan_written_before_the_process_layout_rename_still_reads():
     assert plans.read(yaml.safe_dump(written)) == plan
 
 
+def test_render_parses_each_uri_of_the_spec_once(monkeypatch):
+    """The spec's URIs arrive typed (kuberl.uri.SpecURI): validating the manifest, then rendering
+    every object and the run plan, twice, parses each once, however many containers, mounts and
+    plan paths need it."""
+    import kuberl.uri as uris
+
+    manifest = minimal_manifest()
+    manifest["spec"]["model"]["uri"] = "pvc://models/tiny"
+    manifest["spec"]["validation"] = {"uri": "s3://datasets/test.jsonl"}
+    manifest["spec"]["checkpoint"] = {"uri": "pvc://ckpt/run", "resume": "pvc://ckpt/other/step-000000001"}
+    calls = []
+    real = uris.parse
+    monkeypatch.setattr(uris, "parse", lambda uri, field="uri": calls.append((uri, field)) or real(uri, field))
+    job = validate_manifest(manifest)  # checks each URI (uri_errors): the one parse of each
+    render(job, attempt=1)
+    render(job, attempt=2)
+    assert sorted(calls) == sorted([("pvc://models/tiny", "spec.model.uri"),
+                                    ("s3://datasets/train.jsonl", "spec.data.uri"),
+                                    ("s3://datasets/test.jsonl", "spec.validation.uri"),
+                                    ("pvc://ckpt/run", "spec.checkpoint.uri"),
+                                    ("pvc://ckpt/other/step-000000001", "spec.checkpoint.resume")])
+
+
 def test_in_a_ray_job_ranks_and_engines_reserve_their_slot_not_a_cpu():
     """A pod that requests fewer CPUs than it runs processes still starts them all: Kubernetes
     accounts the pod's CPUs, Ray's CPUs there are left to reward workers."""

@@ -153,7 +153,7 @@ def process_layout(spec: t.RLTrainingJobSpec) -> ProcessLayout:
 
 def checkpoints(spec: t.RLTrainingJobSpec) -> Checkpoints:
     ck = spec.checkpoint
-    export = uris.parse(ck.uri, "spec.checkpoint.uri").join(EXPORT_DIR) if ck.uri else None
+    export = ck.uri.parsed.join(EXPORT_DIR) if ck.uri else None
     return Checkpoints(root=ck.uri, interval_steps=ck.interval_steps, keep=ck.keep, format=ck.format,
                        export_hugging_face=ck.export_hugging_face, export_uri=export)
 
@@ -164,17 +164,17 @@ def resume(spec: t.RLTrainingJobSpec, attempt: int) -> Resume:
     ck = spec.checkpoint
     explicit = None if ck.resume in ("auto", "never") else ck.resume
     if explicit is not None:
-        uris.parse(explicit, "spec.checkpoint.resume")
+        explicit.parsed  # a bad URI stops the plan here, naming spec.checkpoint.resume
     if attempt == 0 and ck.resume == "never":
         return Resume()
     newest_under = ck.uri if (ck.resume == "auto" or attempt > 0) else None
     return Resume(newest_under=newest_under, explicit=explicit)
 
 
-def in_pod_path(uri: str, staged_dir: str, field: str) -> str:
-    """The path a container reads ``uri`` (the spec's ``field``) from: the staged copy, a mounted
-    claim, or the path."""
-    return uris.in_pod_path(uris.parse(uri, field), staged_dir)
+def in_pod_path(uri: uris.SpecURI, staged_dir: str) -> str:
+    """The path a container reads the spec's ``uri`` from: the staged copy, a mounted claim, or
+    the path."""
+    return uris.in_pod_path(uri.parsed, staged_dir)
 
 
 def for_cluster(job: t.RLTrainingJob, attempt: int = 0) -> RunPlan:
@@ -182,9 +182,9 @@ def for_cluster(job: t.RLTrainingJob, attempt: int = 0) -> RunPlan:
     return RunPlan(
         job=job.metadata.name, namespace=job.metadata.namespace, attempt=attempt,
         layout=process_layout(spec),
-        paths=Paths(model=in_pod_path(spec.model.uri, MODEL_DIR, "spec.model.uri"),
-                    data=in_pod_path(spec.data.uri, DATA_DIR, "spec.data.uri"),
-                    validation_data=(in_pod_path(spec.validation.uri, VALIDATION_DATA_DIR, "spec.validation.uri")
+        paths=Paths(model=in_pod_path(spec.model.uri, MODEL_DIR),
+                    data=in_pod_path(spec.data.uri, DATA_DIR),
+                    validation_data=(in_pod_path(spec.validation.uri, VALIDATION_DATA_DIR)
                                      if spec.validation is not None else None),
                     scratch=SCRATCH_DIR),
         checkpoints=checkpoints(spec), resume=resume(spec, attempt))
@@ -193,7 +193,7 @@ def for_cluster(job: t.RLTrainingJob, attempt: int = 0) -> RunPlan:
 def local(job: t.RLTrainingJob, work_dir: Path, attempt: int = 0) -> RunPlan:
     """``kuberl train`` outside Kubernetes: every process fetches its inputs itself."""
     spec = job.spec
-    model = uris.parse(spec.model.uri, "spec.model.uri")
+    model = spec.model.uri.parsed
     revision = spec.model.revision if model.info.hub else None
     return RunPlan(
         job=job.metadata.name, namespace=job.metadata.namespace, attempt=attempt,

@@ -25,7 +25,6 @@ from typing import Any
 import yaml
 
 from kuberl import plan as plans
-from kuberl import uri as uris
 from kuberl.api import types as t
 from kuberl.api.validate import ManifestError, pod_errors, validate_manifest
 from kuberl.contract import (ATTEMPT_ANNOTATION, CONFIG_DIR, CONFIG_FILE, CONFIG_PATH, DATA_DIR, HEAD_ROLE,
@@ -33,6 +32,7 @@ from kuberl.contract import (ATTEMPT_ANNOTATION, CONFIG_DIR, CONFIG_FILE, CONFIG
                              PEER_NAMESPACE_LABEL, PLAN_FILE, PVC_ROOT, PVC_ROOT_ENV, RAY_DASHBOARD_PORT,
                              RAY_METRICS_PORT, ROLE_ENV, ROLLOUT_GROUP, STAGE_DIR, TRAINER_GROUP, VALIDATION_DATA_DIR,
                              config_map_name, labels, network_policy_name, ray_job_name, workload_identity_name)
+from kuberl.uri import SpecURI
 
 RAY_VERSION = "2.60.0"
 RUN_AS_USER = 1000
@@ -65,20 +65,20 @@ WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 
 def _model_source(model: t.ModelSpec) -> str:
     """The stager's source: a Hugging Face revision travels in the URI (hf://org/name@revision)."""
-    parsed = uris.parse(model.uri, "spec.model.uri")
+    parsed = model.uri.parsed
     if parsed.info.hub and model.revision and not parsed.revision:
         return parsed.with_revision(model.revision)
     return model.uri
 
 
-def _needs_stage(uri: str) -> bool:
-    return uris.parse(uri).info.staged
+def _needs_stage(uri: SpecURI) -> bool:
+    return uri.parsed.info.staged
 
 
-def _pvc_claims(uris_in_pod: list[str]) -> list[str]:
+def _pvc_claims(uris_in_pod: list[SpecURI]) -> list[str]:
     claims = []
-    for u in uris_in_pod:
-        parsed = uris.parse(u)
+    for uri in uris_in_pod:
+        parsed = uri.parsed
         if parsed.info.mounted and parsed.bucket not in claims:
             claims.append(parsed.bucket)
     return claims
@@ -142,7 +142,7 @@ def _check_data_container(job: t.RLTrainingJob, name: str, path: str, res: t.Res
 
 def _stage_container(job: t.RLTrainingJob, name: str, src: str, dst: str, secret: t.SecretRef | None,
                      res: t.Resources, extra_args: list[str]) -> dict[str, Any]:
-    args = ["stage", *extra_args, src, dst]
+    args = ["stage", *extra_args, str(src), dst]  # a plain str: YAML's safe dumper refuses SpecURI
     return {
         "name": name,
         "image": job.spec.image,
@@ -194,13 +194,14 @@ def _read_claims(job: t.RLTrainingJob, role: str, plan: plans.RunPlan | None = N
         if spec.validation is not None:
             read.append(spec.validation.uri)
     if role == TRAINER_GROUP and plan is not None and plan.resume.explicit:
-        read.append(plan.resume.explicit)
+        read.append(spec.checkpoint.resume)  # the plan's explicit resume (kuberl.plan.resume), parsed
     return _pvc_claims(read)
 
 
-def _write_claims(role: str, plan: plans.RunPlan) -> list[str]:
-    """The checkpoint root's claim, written by the trainer ranks only."""
-    return _pvc_claims([plan.checkpoints.root]) if role == TRAINER_GROUP and plan.checkpoints.root else []
+def _write_claims(job: t.RLTrainingJob, role: str) -> list[str]:
+    """The checkpoint root's claim (the plan's checkpoints.root), written by the trainer ranks only."""
+    root = job.spec.checkpoint.uri
+    return _pvc_claims([root]) if role == TRAINER_GROUP and root else []
 
 
 def _pvc_mounts(read: list[str], write: list[str]) -> list[dict[str, Any]]:
@@ -233,7 +234,7 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
         {"name": "kuberl-config", "mountPath": CONFIG_DIR, "readOnly": True},
         # NCCL and Ray's object store need a large /dev/shm; the container default is 64 MiB.
         {"name": "dshm", "mountPath": "/dev/shm"},
-        *_pvc_mounts(_read_claims(job, role, plan), _write_claims(role, plan)),
+        *_pvc_mounts(_read_claims(job, role, plan), _write_claims(job, role)),
     ]
     container = {
         "name": f"ray-{role}",
@@ -249,7 +250,7 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
         "securityContext": _security_context(),
         "volumeMounts": mounts,
     }
-    writes = _write_claims(role, plan)
+    writes = _write_claims(job, role)
     claims = dict.fromkeys([*_read_claims(job, "stager"), *_read_claims(job, role, plan), *writes])
     volumes = [
         {"name": "kuberl-stage", "emptyDir": {}},

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from kuberl.api.crd import openapi_schema
 from kuberl.api.types import RLTrainingJob
-from kuberl.uri import URIError, parse, revision_problem
+from kuberl.uri import URIError, revision_problem
 
 
 class ManifestError(ValueError):
@@ -143,17 +143,15 @@ def uri_errors(job: RLTrainingJob) -> list[str]:
     (or under a CRD that lacks them), so that such a job fails with the field named instead of
     wedging its reconcile."""
     spec = job.spec
-    named = {"spec.model.uri": spec.model.uri, "spec.data.uri": spec.data.uri,
-             "spec.checkpoint.uri": spec.checkpoint.uri,
-             "spec.validation.uri": spec.validation.uri if spec.validation else None}
+    named = [spec.model.uri, spec.data.uri, spec.checkpoint.uri, spec.validation.uri if spec.validation else None]
     if spec.checkpoint.resume not in ("auto", "never"):
-        named["spec.checkpoint.resume"] = spec.checkpoint.resume
+        named.append(spec.checkpoint.resume)
     errors = []
-    for field, value in named.items():
-        if value is None:
+    for uri in named:
+        if uri is None:
             continue
         try:
-            parse(value, field)
+            uri.parsed  # a SpecURI (kuberl.api.types.uri_type): parsed once, naming its field
         except URIError as exc:
             errors.append(str(exc))
     if spec.model.revision is not None and (problem := revision_problem(spec.model.revision)):
