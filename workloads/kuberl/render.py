@@ -30,12 +30,12 @@ from kuberl.api.validate import ManifestError, pod_errors, validate_manifest
 from kuberl.contract import (ATTEMPT_ANNOTATION, CONFIG_DIR, CONFIG_FILE, CONFIG_PATH, DATA_DIR, HEAD_ROLE,
                              JOB_LABEL, JOB_NAME_ENV, METRICS_PORT, METRICS_PORT_ENV, MODEL_DIR, NAMESPACE_ENV,
                              PEER_NAMESPACE_LABEL, PLAN_FILE, PVC_ROOT, PVC_ROOT_ENV, RAY_DASHBOARD_PORT,
-                             RAY_METRICS_PORT, ROLE_ENV, ROLLOUT_GROUP, STAGE_DIR, TRAINER_GROUP, VALIDATION_DATA_DIR,
-                             config_map_name, labels, network_policy_name, ray_job_name, workload_identity_name)
+                             RAY_METRICS_PORT, ROLE_ENV, ROLLOUT_GROUP, RUN_AS_USER, STAGE_DIR, TRAINER_GROUP,
+                             VALIDATION_DATA_DIR, config_map_name, labels, network_policy_name, ray_job_name,
+                             workload_identity_name)
 from kuberl.uri import SpecURI
 
 RAY_VERSION = "2.60.0"
-RUN_AS_USER = 1000
 
 
 def owner_reference(job: t.RLTrainingJob) -> dict[str, Any]:
