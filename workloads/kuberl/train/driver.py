@@ -87,6 +87,24 @@ def engine_logprobs(samples: Sequence[Sample]) -> list[list[float]]:
     return [list(s.response_logprobs) for s in samples]
 
 
+def engine_logprob_gap(samples: Sequence[Sample], trainer_logprobs: Sequence[Sequence[float]]) -> dict[str, float]:
+    """How far the engines' log-probs of the sampled tokens are from the trainer's own for the
+    same weights: the mean and the largest |trainer - engine| over the trained response tokens.
+    Both should compute one policy; the gap is numerics (bf16 kernels, vLLM's fused ops against
+    the trainer's), and a large one (a weight sync that loaded the wrong tensors, a sampler
+    setting the trainer does not apply) biases every importance ratio. Empty where the samples
+    came without the engines' log-probs (agents' tool tokens carry none)."""
+    gaps = []
+    for sample, trainer in zip(samples, trainer_logprobs, strict=True):
+        if sample.response_logprobs is None:
+            continue
+        mask = sample.loss_mask or [1] * len(sample.response_ids)
+        gaps += [abs(t - e) for t, e, m in zip(trainer, sample.response_logprobs, mask, strict=True) if m]
+    if not gaps:
+        return {}
+    return {"engine_logprob_gap_mean": sum(gaps) / len(gaps), "engine_logprob_gap_max": max(gaps)}
+
+
 def check_advantages(step: int, algorithm: str, samples: Sequence[Sample], advantages: Sequence[float]) -> None:
     """Refuse a non-finite advantage before any update: one NaN or inf makes the step's loss and
     every weight it touches NaN, and the run trains on garbage from then on. Rewards are checked
@@ -367,6 +385,8 @@ class GRPODriver:
                 setattr(batch, f"{name}_logprobs", self._logprobs(name, batch))
         with self._phase("update"):
             metrics = policy_updates(self.trainer, batch, self.spec.algorithm)
+        if batch.old_logprobs is not None and not self.spec.algorithm.async_rollout:
+            metrics.update(engine_logprob_gap(samples, batch.old_logprobs))  # the trainer's own: comparable
         if colocated:
             with self._phase("wake"):
                 self.engines.wake_up()
