@@ -35,9 +35,10 @@ class Frozen(BaseModel):
 
 class ProcessLayout(Frozen):
     """How many processes of each kind run where (pods, trainer ranks, engines), and what each asks
-    Ray for; the machine's own topology (NUMA nodes, GPUs, CPUs) is ``kuberl.numa.topology``'s. Colocated engines ask for no GPU of their own: the
-    trainer ranks hold every GPU of a pod, and each engine runs on the GPUs of trainer ranks of
-    its node (sleeping while they train), so the pod's GPUs are counted exactly once."""
+    Ray for; the machine's own topology (NUMA nodes, GPUs, CPUs) is ``kuberl.numa.topology``'s.
+    Colocated engines ask for no GPU of their own: the trainer ranks hold every GPU of a pod, and
+    each engine runs on the GPUs of trainer ranks of its node (sleeping while they train), so the
+    pod's GPUs are counted exactly once."""
 
     trainer_pods: int
     ranks_per_pod: int
