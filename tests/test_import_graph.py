@@ -17,7 +17,7 @@ SOURCE_ROOTS = (REPO / "workloads", REPO / "operator")
 # Which folders each folder may import (besides itself), the process it runs in after '#'.
 # A folder missing here fails test_every_folder_has_a_layer: place it before it can be imported.
 LAYERS: dict[str, set[str]] = {
-    "kuberl.api": set(),                       # every process: the API types and the URI vocabulary
+    "kuberl.api": set(),                       # every process: the API types, the URI vocabulary, the names all agree on
     "kuberl.numa": set(),                      # trainer ranks and engines, in their pods
     "kuberl.common": {"kuberl.api"},           # vocabulary of more than one process
     "kuberl.storage": {"kuberl.api"},          # stager init containers; every process reading a URI

@@ -78,3 +78,37 @@ def test_no_scheme_branches_outside_the_table():
              for folder in ("workloads", "operator") for path in sorted((root / folder).rglob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if branch.search(line)]
     assert not found, "branch on the scheme's SchemeInfo in kuberl/api/uri.py instead:\n" + "\n".join(found)
+
+
+def test_spec_uris_are_typed_once_and_parsed_once_on_use(monkeypatch):
+    """The API types hand out SpecURI values: strings to the schema, YAML and JSON, each parsed
+    once, naming its field; a bad one still loads (a stored job) and fails only when used."""
+    import json
+    import pickle
+
+    import yaml
+
+    import kuberl.api.uri as uris
+    from kuberl.api.validate import validate_manifest
+    from tests.api.bad_manifests import minimal_manifest
+
+    calls = []
+    real = uris.parse
+    monkeypatch.setattr(uris, "parse", lambda *a: calls.append(a) or real(*a))
+    manifest = minimal_manifest()
+    manifest["spec"]["checkpoint"] = {"uri": "s3://ckpt/run", "resume": "s3://ckpt/run/step-000000001"}
+    spec = validate_manifest(manifest).spec
+    uri = spec.model.uri
+    assert isinstance(uri, uris.SpecURI) and uri == "s3://models/tiny" and uri.field == "spec.model.uri"
+    assert spec.checkpoint.resume.field == "spec.checkpoint.resume"
+    assert uri.parsed is uri.parsed and uri.parsed.bucket == "models"
+    assert calls.count(("s3://models/tiny", "spec.model.uri")) == 1
+    dumped = spec.model_dump(mode="json", by_alias=True)
+    assert type(dumped["model"]["uri"]) is str and "s3://models/tiny" in yaml.safe_dump(dumped)
+    assert json.loads(json.dumps({"u": uri})) == {"u": "s3://models/tiny"}
+    again = pickle.loads(pickle.dumps(spec))  # as Ray sends it to actors: the string and the field
+    assert again.model.uri == uri and again.model.uri.field == "spec.model.uri"
+
+    stored = spec.model.model_copy(update={"uri": uris.SpecURI("s3://models/../x", "spec.model.uri")})
+    with pytest.raises(URIError, match=r"^spec\.model\.uri: "):
+        stored.uri.parsed

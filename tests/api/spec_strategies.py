@@ -148,10 +148,11 @@ def local_verdict(manifest: dict[str, Any]) -> str | None:
     renderer's own errors propagates: a crash is a finding too)."""
     from kuberl.api.uri import URIError
     from kuberl.api.validate import ManifestError
-    from kuberl.job.render import RenderError, render_manifest
+    from kuberl.job.render import render_manifest
+    from kuberl.api.uri import URIError
 
     try:
         render_manifest(manifest)
-    except (ManifestError, RenderError, URIError) as exc:
+    except (ManifestError, URIError) as exc:
         return str(exc)
     return None

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from kuberl.api.validate import validate_manifest
-from kuberl.job.plan import PLAN_FILE, read as read_plan
+from kuberl.api.contract import PLAN_FILE
+from kuberl.job.plan import read as read_plan
 from kuberl.job.render import render_manifest
 
 CONFIGS = Path(__file__).parent / "peer_configs"

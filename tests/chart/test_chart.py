@@ -59,7 +59,7 @@ def test_service_monitor_without_service_fails_with_the_fix(helm):
 
 def test_pod_monitor_selects_rendered_worker_pods(helm):
     """The PodMonitor's selector and port names match what kuberl.job.render puts on worker pods."""
-    from kuberl.job.render import METRICS_PORT
+    from kuberl.api.contract import METRICS_PORT
 
     objects = helm.template("--set", "monitoring.podMonitor.enabled=true", "--set", "watchNamespaces={team-a}")
     monitor, = by_kind(objects, "PodMonitor")

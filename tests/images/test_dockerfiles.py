@@ -56,8 +56,8 @@ def test_final_stage_runs_as_numeric_non_root_user_with_a_command(dockerfile):
     assert users, f"{dockerfile}: the final stage sets no USER (it would run as root)"
     user = users[-1].args.split(":")[0]
     assert user.isdigit() and int(user) != 0, f"{dockerfile}: USER {users[-1].args} must be a numeric non-root uid"
-    # Pods run as kuberl.job.render.RUN_AS_USER / the chart's runAsUser.
-    from kuberl.job.render import RUN_AS_USER
+    # Pods run as kuberl.api.contract.RUN_AS_USER / the chart's runAsUser.
+    from kuberl.api.contract import RUN_AS_USER
     assert int(user) == RUN_AS_USER
     assert final.all("ENTRYPOINT") or final.all("CMD"), f"{dockerfile}: no ENTRYPOINT or CMD"
     # Every RUN (installs, the baked model) happens as root before the switch, so nothing the

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Literal
 
-Scheme = Literal["s3", "gs", "hf", "pvc", "file"]
+from kuberl.api.contract import PVC_ROOT
 
-# Where pvc://<claim>/<path> is mounted inside a pod (``KUBERL_PVC_ROOT`` tells the workers).
-PVC_ROOT = "/mnt/pvc"
+Scheme = Literal["s3", "gs", "hf", "pvc", "file"]
 
 # A Hugging Face repo id: "name" or "org/name"; letters, digits, '-', '_', '.'.
 _HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -243,6 +243,30 @@ def parse(uri: str, field: str = "uri") -> ParsedURI:
         _check_revision(uri, revision, field)
         return ParsedURI("hf", repo, "", revision or None, uri)
     raise URIError(f"{field}: {uri!r} is neither an absolute path nor a known URI ({_FORMS})")
+
+
+class SpecURI(str):
+    """A URI as the job's spec holds it: the string itself (what the spec, the CRD, YAML and JSON
+    see) and the field that holds it, parsed once, when first asked (``parsed``). The API types
+    give their URI fields this type (``kuberl.api.types.uri_type``), so the renderer and the run
+    plan parse each URI once. Parsing waits for first use so that a stored job with a bad URI
+    still loads, and is refused by ``kuberl.api.validate.uri_errors`` with the field named."""
+
+    field: str
+
+    def __new__(cls, value: str, field: str = "uri") -> SpecURI:
+        uri = super().__new__(cls, value)
+        uri.field = field
+        return uri
+
+    @cached_property
+    def parsed(self) -> ParsedURI:
+        """``parse(self, self.field)``: URIError naming the field when the URI is bad."""
+        return parse(str(self), self.field)
+
+    def __reduce__(self) -> tuple:
+        # Pickled (to Ray actors) as the string and field only; the parse is redone there on use.
+        return (SpecURI, (str(self), self.field))
 
 
 def _check_revision(uri: str, revision: str, field: str) -> None:

@@ -3,15 +3,16 @@ must not import torch to copy files)."""
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 import sys
 
+# command -> (its ``module:function``, for pkgutil.resolve_name; the help line)
 SUBCOMMANDS = {
-    "render": ("kuberl.cli.render", "print the Kubernetes objects for an RLTrainingJob manifest"),
-    "crd": ("kuberl.api.crd", "print the RLTrainingJob CustomResourceDefinition"),
-    "stage": ("kuberl.cli.stage", "copy a model, data set or checkpoint to a local directory"),
-    "train": ("kuberl.driver.__main__", "run training (the Ray driver)"),
-    "check-data": ("kuberl.cli.check_data", "check a staged data file against the job's spec.data"),
+    "render": ("kuberl.cli.render:main", "print the Kubernetes objects for an RLTrainingJob manifest"),
+    "crd": ("kuberl.api.crd:main", "print the RLTrainingJob CustomResourceDefinition"),
+    "stage": ("kuberl.cli.stage:main", "copy a model, data set or checkpoint to a local directory"),
+    "train": ("kuberl.driver.__main__:main", "run training (the Ray driver)"),
+    "check-data": ("kuberl.cli.check_data:main", "check a staged data file against the job's spec.data"),
 }
 
 
@@ -29,5 +30,4 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in SUBCOMMANDS:
         print(f"kuberl: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
-    return module.main(argv[1:])
+    return pkgutil.resolve_name(SUBCOMMANDS[argv[0]][0])(argv[1:])

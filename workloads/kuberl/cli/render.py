@@ -10,7 +10,8 @@ import yaml
 
 from kuberl.api.uri import URIError
 from kuberl.api.validate import ManifestError
-from kuberl.job.render import RenderError, render_manifest
+from kuberl.job.render import render_manifest
+from kuberl.api.uri import URIError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             doc.setdefault("metadata", {}).setdefault("namespace", args.namespace)
         try:
             out += render_manifest(doc, attempt=args.attempt)
-        except (ManifestError, RenderError, URIError) as exc:
+        except (ManifestError, URIError) as exc:
             print(f"kuberl render: {args.filename}: {exc}", file=sys.stderr)
             return 1
     sys.stdout.write(yaml.safe_dump_all(out, sort_keys=False))

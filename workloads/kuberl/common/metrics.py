@@ -21,6 +21,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
+from kuberl.api.contract import JOB_NAME_ENV, METRICS_PORT_ENV, NAMESPACE_ENV, ROLE_ENV
+
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
@@ -60,9 +62,9 @@ class Identity:
     def from_env(cls, job: str | None = None, namespace: str | None = None, role: str | None = None,
                  rank: int | str | None = None) -> "Identity":
         env = os.environ
-        return cls(job=job or env.get("KUBERL_JOB_NAME", ""),
-                   namespace=namespace or env.get("KUBERL_NAMESPACE", ""),
-                   role=role or env.get("KUBERL_ROLE", ""),
+        return cls(job=job or env.get(JOB_NAME_ENV, ""),
+                   namespace=namespace or env.get(NAMESPACE_ENV, ""),
+                   role=role or env.get(ROLE_ENV, ""),
                    rank=str(rank if rank is not None else env.get("RANK", "0")))
 
 
@@ -191,7 +193,7 @@ def start_exporter(port: int | None = None, *, addr: str = "0.0.0.0", job: str |
         from prometheus_client import REGISTRY, start_http_server
 
         if port is None:
-            raw = os.environ.get("KUBERL_METRICS_PORT")
+            raw = os.environ.get(METRICS_PORT_ENV)
             if not raw:
                 raise ValueError("kuberl.common.metrics.start_exporter: no port given and KUBERL_METRICS_PORT is unset")
             try:
@@ -210,7 +212,7 @@ def start_pod_exporter(role: str, rank: int | str = 0) -> WorkerMetrics | None:
     """In a kuberl pod (``KUBERL_METRICS_PORT`` set by the renderer): serve this process's metrics
     on the pod's port. The first process of a pod to ask gets the port; later ones (other ranks
     and engines of the same pod) get None and keep recording nowhere. Outside a pod: None."""
-    if not os.environ.get("KUBERL_METRICS_PORT"):
+    if not os.environ.get(METRICS_PORT_ENV):
         return None
     try:
         return start_exporter(role=role, rank=rank)

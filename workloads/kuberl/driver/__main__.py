@@ -118,7 +118,7 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
         trainer = TrainerGroup(spec, plan)
         stack.callback(trainer.shutdown)
         # The original URI stays the served model name: users and logs see what they asked for.
-        engines = EnginePool(spec, plan, served_model_name=spec.model.uri, gpu_slots=trainer.gpu_slots)
+        engines = EnginePool(spec, plan, served_model_name=str(spec.model.uri), gpu_slots=trainer.gpu_slots)
         stack.callback(engines.shutdown)
         weight_sync = make_weight_sync(spec, trainer, engines)
         weight_sync.setup()
@@ -144,8 +144,8 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
 
 def local_slots(plan: plans.RunPlan) -> int:
     """Ray CPU slots a local run needs: trainer ranks, engines with their own slot, one to spare."""
-    topo = plan.topology
-    return topo.world_size + (0 if topo.colocated else topo.engines) + 1
+    layout = plan.layout
+    return layout.world_size + (0 if layout.colocated else layout.engines) + 1
 
 
 def main(argv: list[str] | None = None) -> int:

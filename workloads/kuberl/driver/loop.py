@@ -376,7 +376,7 @@ class Driver:
         advantages = self.algorithm.advantages(torch.tensor([s.reward for s in samples], dtype=torch.float64),
                                                torch.tensor([s.group for s in samples]))
         check_advantages(step, self.algorithm.name, samples, advantages.tolist())
-        colocated = self.plan.topology.colocated
+        colocated = self.plan.layout.colocated
         if colocated:
             with self._phase("sleep"):
                 self.engines.sleep()  # the trainer ranks get the GPUs' memory while they step

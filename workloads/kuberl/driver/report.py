@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from kuberl.api.types import GROUP, PLURAL, VERSION
+from kuberl.api.contract import JOB_NAME_ENV, NAMESPACE_ENV
 
 log = logging.getLogger("kuberl.train")
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -139,13 +140,13 @@ class KubernetesStatusReporter(StatusReporter):
 def reporter_from_env(env: dict[str, str] | None = None, service_account: Path = SERVICE_ACCOUNT) -> StatusReporter:
     """The Kubernetes reporter inside a kuberl pod (KUBERL_JOB_NAME set, token mounted), else logs."""
     env = dict(os.environ if env is None else env)
-    name, host = env.get("KUBERL_JOB_NAME"), env.get("KUBERNETES_SERVICE_HOST")
+    name, host = env.get(JOB_NAME_ENV), env.get("KUBERNETES_SERVICE_HOST")
     token = service_account / "token"
     if not (name and host and token.exists()):
         return StatusReporter()
     port = env.get("KUBERNETES_SERVICE_PORT", "443")
     host = f"[{host}]" if ":" in host else host
-    namespace = env.get("KUBERL_NAMESPACE") or (service_account / "namespace").read_text().strip()
+    namespace = env.get(NAMESPACE_ENV) or (service_account / "namespace").read_text().strip()
     return KubernetesStatusReporter(f"https://{host}:{port}", namespace, name, token, service_account / "ca.crt")
 
 

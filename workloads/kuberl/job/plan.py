@@ -16,23 +16,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from kuberl.api import uri as uris
 from kuberl.api import types as t
+from kuberl.api.contract import (DATA_DIR, MODEL_DIR, PLAN_FILE, ROLLOUT_GROUP, ROLLOUT_RESOURCE, SCRATCH_DIR,
+                             TRAINER_GROUP, TRAINER_RESOURCE, VALIDATION_DATA_DIR)
 
-PLAN_FILE = "plan.yaml"
-STAGE_DIR = "/kuberl"
-MODEL_DIR = f"{STAGE_DIR}/model"
-DATA_DIR = f"{STAGE_DIR}/data"
-VALIDATION_DATA_DIR = f"{STAGE_DIR}/validation-data"
-# Pod-local scratch (an emptyDir): each trainer rank writes its checkpoint shards below
-# ``<scratch>/rank-<r>`` before uploading them, and nothing else ever reads them.
-SCRATCH_DIR = f"{STAGE_DIR}/scratch"
-TRAINER_RESOURCE = "kuberl_trainer"
-ROLLOUT_RESOURCE = "kuberl_rollout"
-TRAINER_GROUP = "trainer"
-ROLLOUT_GROUP = "rollout"
 EXPORT_DIR = "hf"
 # libyaml's safe loader when PyYAML has it (its wheels do): 15x faster than the pure-Python one,
 # and the operator reads every job's ConfigMap (spec and plan) on every reconcile.
@@ -43,10 +33,12 @@ class Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class Topology(Frozen):
-    """Processes and what each asks Ray for. Colocated engines ask for no GPU of their own: the
-    trainer ranks hold every GPU of a pod, and each engine runs on the GPUs of trainer ranks of
-    its node (sleeping while they train), so the pod's GPUs are counted exactly once."""
+class ProcessLayout(Frozen):
+    """How many processes of each kind run where (pods, trainer ranks, engines), and what each asks
+    Ray for; the machine's own topology (NUMA nodes, GPUs, CPUs) is ``kuberl.numa.topology``'s.
+    Colocated engines ask for no GPU of their own: the trainer ranks hold every GPU of a pod, and
+    each engine runs on the GPUs of trainer ranks of its node (sleeping while they train), so the
+    pod's GPUs are counted exactly once."""
 
     trainer_pods: int
     ranks_per_pod: int
@@ -120,7 +112,8 @@ class RunPlan(Frozen):
     job: str
     namespace: str
     attempt: int
-    topology: Topology
+    # plan.yaml of a job rendered before the rename says ``topology``: still read.
+    layout: ProcessLayout = Field(validation_alias=AliasChoices("layout", "topology"))
     paths: Paths
     checkpoints: Checkpoints
     resume: Resume
@@ -132,7 +125,7 @@ class RunPlan(Frozen):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-def topology(spec: t.RLTrainingJobSpec) -> Topology:
+def process_layout(spec: t.RLTrainingJobSpec) -> ProcessLayout:
     trainer, rollout = spec.trainer, spec.rollout
     ranks_per_pod = trainer.gpus_per_replica or trainer.processes_per_replica
     gpus_per_rank = 1 if trainer.gpus_per_replica else 0
@@ -151,7 +144,7 @@ def topology(spec: t.RLTrainingJobSpec) -> Topology:
         gpus_per_engine = tp if rollout.gpus_per_replica else 0
         groups = {TRAINER_GROUP: {TRAINER_RESOURCE: ranks_per_pod},
                   ROLLOUT_GROUP: {ROLLOUT_RESOURCE: engines_per_pod}}
-    return Topology(
+    return ProcessLayout(
         trainer_pods=trainer.replicas, ranks_per_pod=ranks_per_pod,
         world_size=trainer.replicas * ranks_per_pod, gpus_per_rank=gpus_per_rank,
         rollout_pods=rollout_pods, engines_per_pod=engines_per_pod, engines=engines,
@@ -161,7 +154,7 @@ def topology(spec: t.RLTrainingJobSpec) -> Topology:
 
 def checkpoints(spec: t.RLTrainingJobSpec) -> Checkpoints:
     ck = spec.checkpoint
-    export = uris.parse(ck.uri, "spec.checkpoint.uri").join(EXPORT_DIR) if ck.uri else None
+    export = ck.uri.parsed.join(EXPORT_DIR) if ck.uri else None
     return Checkpoints(root=ck.uri, interval_steps=ck.interval_steps, keep=ck.keep, format=ck.format,
                        export_hugging_face=ck.export_hugging_face, export_uri=export)
 
@@ -172,27 +165,27 @@ def resume(spec: t.RLTrainingJobSpec, attempt: int) -> Resume:
     ck = spec.checkpoint
     explicit = None if ck.resume in ("auto", "never") else ck.resume
     if explicit is not None:
-        uris.parse(explicit, "spec.checkpoint.resume")
+        explicit.parsed  # a bad URI stops the plan here, naming spec.checkpoint.resume
     if attempt == 0 and ck.resume == "never":
         return Resume()
     newest_under = ck.uri if (ck.resume == "auto" or attempt > 0) else None
     return Resume(newest_under=newest_under, explicit=explicit)
 
 
-def in_pod_path(uri: str, staged_dir: str, field: str) -> str:
-    """The path a container reads ``uri`` (the spec's ``field``) from: the staged copy, a mounted
-    claim, or the path."""
-    return uris.in_pod_path(uris.parse(uri, field), staged_dir)
+def in_pod_path(uri: uris.SpecURI, staged_dir: str) -> str:
+    """The path a container reads the spec's ``uri`` from: the staged copy, a mounted claim, or
+    the path."""
+    return uris.in_pod_path(uri.parsed, staged_dir)
 
 
 def for_cluster(job: t.RLTrainingJob, attempt: int = 0) -> RunPlan:
     spec = job.spec
     return RunPlan(
         job=job.metadata.name, namespace=job.metadata.namespace, attempt=attempt,
-        topology=topology(spec),
-        paths=Paths(model=in_pod_path(spec.model.uri, MODEL_DIR, "spec.model.uri"),
-                    data=in_pod_path(spec.data.uri, DATA_DIR, "spec.data.uri"),
-                    validation_data=(in_pod_path(spec.validation.uri, VALIDATION_DATA_DIR, "spec.validation.uri")
+        layout=process_layout(spec),
+        paths=Paths(model=in_pod_path(spec.model.uri, MODEL_DIR),
+                    data=in_pod_path(spec.data.uri, DATA_DIR),
+                    validation_data=(in_pod_path(spec.validation.uri, VALIDATION_DATA_DIR)
                                      if spec.validation is not None else None),
                     scratch=SCRATCH_DIR),
         checkpoints=checkpoints(spec), resume=resume(spec, attempt))
@@ -201,11 +194,11 @@ def for_cluster(job: t.RLTrainingJob, attempt: int = 0) -> RunPlan:
 def local(job: t.RLTrainingJob, work_dir: Path, attempt: int = 0) -> RunPlan:
     """``kuberl train`` outside Kubernetes: every process fetches its inputs itself."""
     spec = job.spec
-    model = uris.parse(spec.model.uri, "spec.model.uri")
+    model = spec.model.uri.parsed
     revision = spec.model.revision if model.info.hub else None
     return RunPlan(
         job=job.metadata.name, namespace=job.metadata.namespace, attempt=attempt,
-        topology=topology(spec),
+        layout=process_layout(spec),
         paths=Paths(model=spec.model.uri, model_revision=revision, data=spec.data.uri,
                     validation_data=spec.validation.uri if spec.validation is not None else None,
                     scratch=str(Path(work_dir) / "scratch")),

@@ -4,7 +4,7 @@ One job becomes:
 - a KubeRay ``ray.io/v1`` RayJob whose ``rayClusterSpec`` has a head group (runs the driver), a
   ``trainer`` worker group and, unless colocated, a ``rollout`` worker group;
 - a ConfigMap with the resolved job (the same RLTrainingJob type, every default filled in) and
-  the run plan (``kuberl.job.plan``: topology, in-pod paths, checkpoint targets, resume source),
+  the run plan (``kuberl.job.plan``: process layout, in-pod paths, checkpoint targets, resume source),
   mounted at /etc/kuberl in every Ray container;
 - a ServiceAccount, Role and RoleBinding whose only right is ``patch`` on this one job's status,
   so the workload can report progress and nothing else.
@@ -25,56 +25,17 @@ from typing import Any
 import yaml
 
 from kuberl.job import plan as plans
-from kuberl.api import uri as uris
 from kuberl.api import types as t
-from kuberl.api.validate import validate_manifest
+from kuberl.api.validate import ManifestError, pod_errors, validate_manifest
+from kuberl.api.contract import (ATTEMPT_ANNOTATION, CONFIG_DIR, CONFIG_FILE, CONFIG_PATH, DATA_DIR, HEAD_ROLE,
+                             JOB_LABEL, JOB_NAME_ENV, METRICS_PORT, METRICS_PORT_ENV, MODEL_DIR, NAMESPACE_ENV,
+                             PEER_NAMESPACE_LABEL, PLAN_FILE, PVC_ROOT, PVC_ROOT_ENV, RAY_DASHBOARD_PORT,
+                             RAY_METRICS_PORT, ROLE_ENV, ROLLOUT_GROUP, RUN_AS_USER, STAGE_DIR, TRAINER_GROUP,
+                             VALIDATION_DATA_DIR, config_map_name, labels, network_policy_name, ray_job_name,
+                             workload_identity_name)
+from kuberl.api.uri import SpecURI
 
 RAY_VERSION = "2.60.0"
-CONFIG_DIR = "/etc/kuberl"
-CONFIG_FILE = "job.yaml"
-STAGE_DIR = plans.STAGE_DIR
-PVC_ROOT = uris.PVC_ROOT
-MODEL_DIR = plans.MODEL_DIR
-DATA_DIR = plans.DATA_DIR
-VALIDATION_DATA_DIR = plans.VALIDATION_DATA_DIR
-METRICS_PORT = 9400
-RAY_METRICS_PORT = 8080
-RUN_AS_USER = 1000
-
-# Annotation on the RayJob and the rendered job config: the attempt they belong to.
-ATTEMPT_ANNOTATION = "kuberl.dev/attempt"
-
-TRAINER_GROUP = plans.TRAINER_GROUP
-ROLLOUT_GROUP = plans.ROLLOUT_GROUP
-
-
-class RenderError(ValueError):
-    """The job cannot be turned into Kubernetes objects; the message names the field."""
-
-
-def labels(job: t.RLTrainingJob, role: str | None = None) -> dict[str, str]:
-    out = {
-        "app.kubernetes.io/name": "kuberl",
-        "app.kubernetes.io/instance": job.metadata.name,
-        "app.kubernetes.io/managed-by": "kuberl-operator",
-        "kuberl.dev/job": job.metadata.name,
-    }
-    if role:
-        out["kuberl.dev/role"] = role
-    return out
-
-
-def ray_job_name(job: t.RLTrainingJob, attempt: int = 0) -> str:
-    """Each restart gets a new RayJob so that the old one can be deleted without waiting for it."""
-    return job.metadata.name if attempt == 0 else f"{job.metadata.name}-r{attempt}"
-
-
-def config_map_name(job: t.RLTrainingJob) -> str:
-    return f"{job.metadata.name}-config"
-
-
-def workload_identity_name(job: t.RLTrainingJob) -> str:
-    return f"{job.metadata.name}-workload"
 
 
 def owner_reference(job: t.RLTrainingJob) -> dict[str, Any]:
@@ -89,7 +50,8 @@ def owner_reference(job: t.RLTrainingJob) -> dict[str, Any]:
 
 
 def _metadata(job: t.RLTrainingJob, name: str, role: str | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": job.metadata.namespace, "labels": labels(job, role)}
+    meta: dict[str, Any] = {"name": name, "namespace": job.metadata.namespace,
+                            "labels": labels(job.metadata.name, role)}
     if job.metadata.uid:
         meta["ownerReferences"] = [owner_reference(job)]
     return meta
@@ -103,20 +65,20 @@ WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 
 def _model_source(model: t.ModelSpec) -> str:
     """The stager's source: a Hugging Face revision travels in the URI (hf://org/name@revision)."""
-    parsed = uris.parse(model.uri, "spec.model.uri")
+    parsed = model.uri.parsed
     if parsed.info.hub and model.revision and not parsed.revision:
         return parsed.with_revision(model.revision)
     return model.uri
 
 
-def _needs_stage(uri: str) -> bool:
-    return uris.parse(uri).info.staged
+def _needs_stage(uri: SpecURI) -> bool:
+    return uri.parsed.info.staged
 
 
-def _pvc_claims(uris_in_pod: list[str]) -> list[str]:
+def _pvc_claims(uris_in_pod: list[SpecURI]) -> list[str]:
     claims = []
-    for u in uris_in_pod:
-        parsed = uris.parse(u)
+    for uri in uris_in_pod:
+        parsed = uri.parsed
         if parsed.info.mounted and parsed.bucket not in claims:
             claims.append(parsed.bucket)
     return claims
@@ -168,7 +130,7 @@ def _check_data_container(job: t.RLTrainingJob, name: str, path: str, res: t.Res
         "image": job.spec.image,
         "imagePullPolicy": job.spec.image_pull_policy,
         "command": ["kuberl"],
-        "args": ["check-data", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}", *(["--validation"] if validation else []),
+        "args": ["check-data", "--config", CONFIG_PATH, *(["--validation"] if validation else []),
                  path],
         "resources": _resources(res),
         "securityContext": _security_context(),
@@ -180,7 +142,7 @@ def _check_data_container(job: t.RLTrainingJob, name: str, path: str, res: t.Res
 
 def _stage_container(job: t.RLTrainingJob, name: str, src: str, dst: str, secret: t.SecretRef | None,
                      res: t.Resources, extra_args: list[str]) -> dict[str, Any]:
-    args = ["stage", *extra_args, src, dst]
+    args = ["stage", *extra_args, str(src), dst]  # a plain str: YAML's safe dumper refuses SpecURI
     return {
         "name": name,
         "image": job.spec.image,
@@ -188,7 +150,7 @@ def _stage_container(job: t.RLTrainingJob, name: str, src: str, dst: str, secret
         "command": ["kuberl"],
         "args": args,
         "envFrom": _env_from(secret),
-        "env": [{"name": "KUBERL_PVC_ROOT", "value": PVC_ROOT}],
+        "env": [{"name": PVC_ROOT_ENV, "value": PVC_ROOT}],
         # The init container gets the pod's whole budget: the pod's request is the max of init and
         # main containers, so this costs nothing and speeds up parallel downloads.
         "resources": _resources(res),
@@ -203,16 +165,16 @@ def _init_containers(job: t.RLTrainingJob, role: str, res: t.Resources, plan: pl
     out = []
     if _needs_stage(spec.model.uri):
         # The driver needs the tokenizer and config, not the weights.
-        extra = [arg for glob in WEIGHT_FILES for arg in ("--exclude", glob)] if role == "head" else []
+        extra = [arg for glob in WEIGHT_FILES for arg in ("--exclude", glob)] if role == HEAD_ROLE else []
         extra += [] if spec.model.trust_remote_code else [a for g in t.REMOTE_CODE_GLOBS for a in ("--exclude", g)]
         out.append(_stage_container(job, "stage-model", _model_source(spec.model), MODEL_DIR,
                                     spec.model.credentials, res, extra))
-    if role == "head" and _needs_stage(spec.data.uri):
+    if role == HEAD_ROLE and _needs_stage(spec.data.uri):
         out.append(_stage_container(job, "stage-data", spec.data.uri, DATA_DIR, spec.data.credentials, res, []))
-    if role == "head" and spec.validation is not None and _needs_stage(spec.validation.uri):
+    if role == HEAD_ROLE and spec.validation is not None and _needs_stage(spec.validation.uri):
         out.append(_stage_container(job, "stage-validation-data", spec.validation.uri, VALIDATION_DATA_DIR,
                                     spec.data.credentials, res, []))
-    if role == "head":
+    if role == HEAD_ROLE:
         out.append(_check_data_container(job, "check-data", plan.paths.data, res, False))
         if plan.paths.validation_data is not None:
             out.append(_check_data_container(job, "check-validation-data", plan.paths.validation_data, res, True))
@@ -227,18 +189,19 @@ def _read_claims(job: t.RLTrainingJob, role: str, plan: plans.RunPlan | None = N
     and a checkpoint the spec names to resume from (trainers)."""
     spec = job.spec
     read = [spec.model.uri]
-    if role in ("head", "stager"):
+    if role in (HEAD_ROLE, "stager"):
         read.append(spec.data.uri)
         if spec.validation is not None:
             read.append(spec.validation.uri)
     if role == TRAINER_GROUP and plan is not None and plan.resume.explicit:
-        read.append(plan.resume.explicit)
+        read.append(spec.checkpoint.resume)  # the plan's explicit resume (kuberl.job.plan.resume), parsed
     return _pvc_claims(read)
 
 
-def _write_claims(role: str, plan: plans.RunPlan) -> list[str]:
-    """The checkpoint root's claim, written by the trainer ranks only."""
-    return _pvc_claims([plan.checkpoints.root]) if role == TRAINER_GROUP and plan.checkpoints.root else []
+def _write_claims(job: t.RLTrainingJob, role: str) -> list[str]:
+    """The checkpoint root's claim (the plan's checkpoints.root), written by the trainer ranks only."""
+    root = job.spec.checkpoint.uri
+    return _pvc_claims([root]) if role == TRAINER_GROUP and root else []
 
 
 def _pvc_mounts(read: list[str], write: list[str]) -> list[dict[str, Any]]:
@@ -250,11 +213,11 @@ def _pod_env(job: t.RLTrainingJob, role: str) -> list[dict[str, Any]]:
     # Each is read by kuberl code (tests/api/test_render.py checks): metrics labels and port,
     # the pvc:// mount root. Everything else a process needs is in the run plan.
     return [
-        {"name": "KUBERL_JOB_NAME", "value": job.metadata.name},
-        {"name": "KUBERL_NAMESPACE", "value": job.metadata.namespace},
-        {"name": "KUBERL_ROLE", "value": role},
-        {"name": "KUBERL_METRICS_PORT", "value": str(METRICS_PORT)},
-        {"name": "KUBERL_PVC_ROOT", "value": PVC_ROOT},
+        {"name": JOB_NAME_ENV, "value": job.metadata.name},
+        {"name": NAMESPACE_ENV, "value": job.metadata.namespace},
+        {"name": ROLE_ENV, "value": role},
+        {"name": METRICS_PORT_ENV, "value": str(METRICS_PORT)},
+        {"name": PVC_ROOT_ENV, "value": PVC_ROOT},
     ]
 
 
@@ -262,7 +225,7 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
     spec = job.spec
     ports = [{"name": "kuberl-metrics", "containerPort": METRICS_PORT},
              {"name": "metrics", "containerPort": RAY_METRICS_PORT}]
-    if role == "head":
+    if role == HEAD_ROLE:
         ports += [{"name": "gcs-server", "containerPort": 6379},
                   {"name": "dashboard", "containerPort": 8265},
                   {"name": "client", "containerPort": 10001}]
@@ -271,7 +234,7 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
         {"name": "kuberl-config", "mountPath": CONFIG_DIR, "readOnly": True},
         # NCCL and Ray's object store need a large /dev/shm; the container default is 64 MiB.
         {"name": "dshm", "mountPath": "/dev/shm"},
-        *_pvc_mounts(_read_claims(job, role, plan), _write_claims(role, plan)),
+        *_pvc_mounts(_read_claims(job, role, plan), _write_claims(job, role)),
     ]
     container = {
         "name": f"ray-{role}",
@@ -281,23 +244,23 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
         # Only the trainer ranks touch checkpoints (upload, commit, restore); only the driver on
         # the head logs to experiment trackers.
         "envFrom": (_env_from(spec.checkpoint.credentials if role == TRAINER_GROUP else None)
-                    + (_tracking_env_from(spec.tracking) if role == "head" else [])),
+                    + (_tracking_env_from(spec.tracking) if role == HEAD_ROLE else [])),
         "ports": ports,
         "resources": _resources(res, gpus),
         "securityContext": _security_context(),
         "volumeMounts": mounts,
     }
-    writes = _write_claims(role, plan)
+    writes = _write_claims(job, role)
     claims = dict.fromkeys([*_read_claims(job, "stager"), *_read_claims(job, role, plan), *writes])
     volumes = [
         {"name": "kuberl-stage", "emptyDir": {}},
-        {"name": "kuberl-config", "configMap": {"name": config_map_name(job)}},
+        {"name": "kuberl-config", "configMap": {"name": config_map_name(job.metadata.name)}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         *({"name": f"pvc-{c}", "persistentVolumeClaim": {"claimName": c, "readOnly": c not in writes}}
           for c in claims),
     ]
     pod_spec: dict[str, Any] = {
-        "serviceAccountName": workload_identity_name(job),
+        "serviceAccountName": workload_identity_name(job.metadata.name),
         "initContainers": _init_containers(job, role, res, plan),
         "containers": [container],
         "volumes": volumes,
@@ -310,7 +273,7 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
         pod_spec["tolerations"] = [tol.model_dump(by_alias=True, exclude_none=True) for tol in sched.tolerations]
     if sched.priority_class_name:
         pod_spec["priorityClassName"] = sched.priority_class_name
-    return {"metadata": {"labels": labels(job, role)}, "spec": pod_spec}
+    return {"metadata": {"labels": labels(job.metadata.name, role)}, "spec": pod_spec}
 
 
 def ray_start_resources(resources: dict[str, int]) -> str:
@@ -344,7 +307,7 @@ def _worker_group(job: t.RLTrainingJob, group: str, replicas: int, res: t.Resour
             "num-gpus": str(gpus),
             # A custom resource per process slot places trainer and engine actors on their own
             # group (colocated: engine slots on the trainer pods); counts from the run plan.
-            "resources": ray_start_resources(plan.topology.group_resources[group]),
+            "resources": ray_start_resources(plan.layout.group_resources[group]),
             "metrics-export-port": str(RAY_METRICS_PORT),
         },
         "template": _pod_template(job, group, res, gpus, plan),
@@ -354,11 +317,11 @@ def _worker_group(job: t.RLTrainingJob, group: str, replicas: int, res: t.Resour
 def render_ray_job(job: t.RLTrainingJob, *, attempt: int = 0, plan: plans.RunPlan | None = None) -> dict[str, Any]:
     spec = job.spec
     plan = plan or plans.for_cluster(job, attempt)
-    topo = plan.topology
-    groups = [_worker_group(job, TRAINER_GROUP, topo.trainer_pods, spec.trainer.resources,
+    layout = plan.layout
+    groups = [_worker_group(job, TRAINER_GROUP, layout.trainer_pods, spec.trainer.resources,
                             spec.trainer.gpus_per_replica, plan)]
-    if topo.rollout_pods:
-        groups.append(_worker_group(job, ROLLOUT_GROUP, topo.rollout_pods, spec.rollout.resources,
+    if layout.rollout_pods:
+        groups.append(_worker_group(job, ROLLOUT_GROUP, layout.rollout_pods, spec.rollout.resources,
                                     spec.rollout.gpus_per_replica, plan))
     head = {
         "rayStartParams": {
@@ -368,9 +331,9 @@ def render_ray_job(job: t.RLTrainingJob, *, attempt: int = 0, plan: plans.RunPla
             "num-gpus": "0",
             "metrics-export-port": str(RAY_METRICS_PORT),
         },
-        "template": _pod_template(job, "head", spec.head.resources, 0, plan),
+        "template": _pod_template(job, HEAD_ROLE, spec.head.resources, 0, plan),
     }
-    metadata = _metadata(job, ray_job_name(job, attempt), "rayjob")
+    metadata = _metadata(job, ray_job_name(job.metadata.name, attempt), "rayjob")
     metadata["annotations"] = {ATTEMPT_ANNOTATION: str(attempt)}
     if spec.scheduling.queue_name:
         metadata["labels"]["kueue.x-k8s.io/queue-name"] = spec.scheduling.queue_name
@@ -379,7 +342,7 @@ def render_ray_job(job: t.RLTrainingJob, *, attempt: int = 0, plan: plans.RunPla
         "kind": "RayJob",
         "metadata": metadata,
         "spec": {
-            "entrypoint": f"python -m kuberl.driver --config {CONFIG_DIR}/{CONFIG_FILE}",
+            "entrypoint": f"python -m kuberl.driver --config {CONFIG_PATH}",
             "submissionMode": "K8sJobMode",
             "shutdownAfterJobFinishes": True,
             # kuberl restarts from checkpoints itself (spec.backoffLimit), with a fresh RayJob.
@@ -409,14 +372,14 @@ def render_config_map(job: t.RLTrainingJob, *, attempt: int = 0, plan: plans.Run
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(job, config_map_name(job), "config"),
+        "metadata": _metadata(job, config_map_name(job.metadata.name), "config"),
         "data": {CONFIG_FILE: yaml.safe_dump(config, sort_keys=False),
-                 plans.PLAN_FILE: (plan or plans.for_cluster(job, attempt)).dump()},
+                 PLAN_FILE: (plan or plans.for_cluster(job, attempt)).dump()},
     }
 
 
 def render_workload_identity(job: t.RLTrainingJob) -> list[dict[str, Any]]:
-    name = workload_identity_name(job)
+    name = workload_identity_name(job.metadata.name)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(job, name, "workload")},
         {
@@ -447,22 +410,14 @@ def render_workload_identity(job: t.RLTrainingJob) -> list[dict[str, Any]]:
     ]
 
 
-def check_runnable_in_pods(job: t.RLTrainingJob) -> None:
-    """What the schema leaves to the renderer because a local ``kuberl train`` may do without it:
-    in a pod, the Secret the spec names is the only way in (locally, ``wandb login`` is)."""
-    wandb = job.spec.tracking.wandb
-    if wandb is not None and wandb.mode == "online" and wandb.credentials is None:
-        raise RenderError("spec.tracking.wandb.credentials: mode online needs a Secret with WANDB_API_KEY, "
-                          "which the head pod logs in with; set credentials: {name: <secret>}, or mode: "
-                          "offline to write the run for a later `wandb sync`")
-
-
 def render(job: t.RLTrainingJob, *, attempt: int = 0, plan: plans.RunPlan | None = None) -> list[dict[str, Any]]:
     """Every object for ``job``, in the order to apply them (identity and config before the RayJob).
     What an attempt restores comes from the spec alone (``kuberl.job.plan.resume``). ``plan``:
     ``plans.for_cluster(job, attempt)`` when the caller has built it already; built here once
     otherwise, for the ConfigMap and the RayJob alike."""
-    check_runnable_in_pods(job)
+    errors = pod_errors(job)
+    if errors:
+        raise ManifestError(errors)
     if plan is None:
         plan = plans.for_cluster(job, attempt)
     elif plan.attempt != attempt:
@@ -482,12 +437,6 @@ def render_manifest(manifest: dict[str, Any], **kw: Any) -> list[dict[str, Any]]
 
 # --- network access to the Ray head ------------------------------------------------------------
 
-# Namespaces an administrator labelled to say "the Ray-job infrastructure runs here" (KubeRay's
-# operator, kuberl's operator, Prometheus). Namespaces are cluster-scoped: a tenant who may create
-# pods, and so label them as anything, may not label a namespace.
-PEER_NAMESPACE_LABEL = "kuberl.dev/ray-head-peers"
-RAY_DASHBOARD_PORT = 8265
-
 
 def render_network_policy(job: t.RLTrainingJob, attempt: int = 0) -> dict[str, Any]:
     """A NetworkPolicy admitting to this job's Ray pods, the head first of all, only: the job's own
@@ -495,20 +444,22 @@ def render_network_policy(job: t.RLTrainingJob, attempt: int = 0) -> dict[str, A
     and the operators (KubeRay's polls the job API) to the dashboard / job-submission port, which
     only the head serves; Prometheus to the metrics ports. Whatever reaches a Ray port can run
     code next to the job's Secrets, so nothing else may."""
+    # Namespaces are cluster-scoped: a tenant who may create pods, and so label them as anything,
+    # may not label a namespace (PEER_NAMESPACE_LABEL).
     trusted = {"matchLabels": {PEER_NAMESPACE_LABEL: "true"}}
     dashboard = [{"protocol": "TCP", "port": RAY_DASHBOARD_PORT}]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _metadata(job, f"{job.metadata.name}-ray", "network"),
+        "metadata": _metadata(job, network_policy_name(job.metadata.name), "network"),
         "spec": {
-            "podSelector": {"matchLabels": {"kuberl.dev/job": job.metadata.name}},
+            "podSelector": {"matchLabels": {JOB_LABEL: job.metadata.name}},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [{"podSelector": {"matchLabels": {"kuberl.dev/job": job.metadata.name}}}]},
+                {"from": [{"podSelector": {"matchLabels": {JOB_LABEL: job.metadata.name}}}]},
                 {"from": [
                     # KubeRay submits through a Job named after the RayJob; the Job controller labels its pod.
-                    {"podSelector": {"matchLabels": {"batch.kubernetes.io/job-name": ray_job_name(job, attempt)}}},
+                    {"podSelector": {"matchLabels": {"batch.kubernetes.io/job-name": ray_job_name(job.metadata.name, attempt)}}},
                     # KubeRay's operator as its Helm chart (kuberay-operator) or kustomize config (kuberay) labels it.
                     {"namespaceSelector": trusted,
                      "podSelector": {"matchExpressions": [{"key": "app.kubernetes.io/name", "operator": "In",

@@ -1,8 +1,13 @@
-"""The checkpoint transport: trainer rank 0 writes a safetensors snapshot (one file per bucket) and
-the engines load it.
+"""The snapshot transport: trainer rank 0 writes a safetensors snapshot of the weights (one file per
+bucket) and the engines load it.
 
-Driver part: ``CheckpointWeightSync``. Sender part: ``write_snapshot``/``remove_snapshot`` on the
-trainer ranks. Receiver part: ``FilesReceiver``, mixed into vLLM's workers by
+The API calls it ``weightSync.method: checkpoint``, and that value stays: it is what users write,
+and renaming it would break their manifests. The code says "snapshot" because "checkpoint" already
+names the training checkpoints (``kuberl.train.checkpoint``, ``kuberl.storage.checkpoints``); a
+snapshot is never restored from, only loaded by the engines once and removed.
+
+Driver part: ``SnapshotWeightSync``. Sender part: ``write_snapshot``/``remove_snapshot`` on the
+trainer ranks. Receiver part: ``SnapshotReceiver``, mixed into vLLM's workers by
 ``kuberl.sync.receiver``.
 """
 
@@ -18,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kuberl.sync.base import EngineInfo, SyncStats, WeightSync, metas
+from kuberl.sync.base import SyncStats, WeightSync
 from kuberl.sync.buckets import ParamMeta, plan_buckets
 from kuberl.sync.params import iter_buckets
 
@@ -34,7 +39,7 @@ def snapshot_root() -> Path:
     return shm / "kuberl-weights" if shm.is_dir() else Path(tempfile.gettempdir()) / "kuberl-weights"
 
 
-class CheckpointWeightSync(WeightSync):
+class SnapshotWeightSync(WeightSync):
     """Trainer rank 0 writes a safetensors snapshot (one file per bucket); engines load it.
 
     The directory must be visible to the trainer and the engines: the same node, or a shared
@@ -45,22 +50,15 @@ class CheckpointWeightSync(WeightSync):
         super().__init__(spec, trainer_group, engine_pool)
         self.root = Path(root) if root is not None else snapshot_root()
         self.key = f"snapshot-{uuid.uuid4().hex[:8]}"
-        self.metas = None
-
-    def setup(self) -> None:
-        info = EngineInfo(self.engine_pool)
-        self.metas = self.trainer_group.execute(metas, info.dtype)[0]
 
     def sync(self, version: int) -> SyncStats:
-        if self.metas is None:
-            raise RuntimeError("CheckpointWeightSync.setup() must run before sync()")
+        meta_list = self.metas
         import ray
 
         start = time.perf_counter()
         directory = str(self.root / self.key / f"v{version:08d}")
         try:
-            paths = self.trainer_group.execute(write_snapshot, directory, self.metas,
-                                               self.bucket_bytes)[0]
+            paths = self.trainer_group.execute(write_snapshot, directory, meta_list, self.bucket_bytes)[0]
             loaded = ray.get([engine.update_weights.remote("kuberl_load_files", (paths,), version)
                               for engine in self.engine_pool.engines])
         finally:
@@ -97,7 +95,7 @@ def remove_snapshot(worker, directory: str) -> None:
 
 # --- receiver: in every vLLM worker ----------------------------------------------------------
 
-class FilesReceiver:
+class SnapshotReceiver:
     def kuberl_load_files(self, paths: list[str]) -> int:
         return self._kuberl_load(_from_files(paths))
 
