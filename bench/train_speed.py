@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from kuberl.samples import Sample, TrainBatch
+from kuberl.common.samples import Sample, TrainBatch
 from kuberl.train.logprobs import chunked_logprobs_entropy, full_logprobs_entropy
 from kuberl.train.model import ModelOptions
 from kuberl.train.worker import TrainerConfig, TrainerWorker

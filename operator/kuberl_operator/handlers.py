@@ -23,6 +23,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from kuberl.api import types as t
+from kuberl.api.contract import JOB_LABEL
 from kuberl_operator import observed as o
 from kuberl_operator.invalid import checked_plan
 from kuberl_operator.kube import Kube
@@ -32,7 +33,6 @@ from kuberl_operator.status import status_changed
 from kuberl_operator.workqueue import Key, WorkQueue
 
 log = logging.getLogger("kuberl_operator")
-JOB_LABEL = "kuberl.dev/job"
 
 
 def _plain(value: Any) -> Any:

@@ -13,9 +13,8 @@ from collections.abc import Callable
 from datetime import datetime
 
 from kuberl.api import types as t
-from kuberl.api.validate import uri_errors
-from kuberl.render import RenderError
-from kuberl.uri import URIError
+from kuberl.api.validate import ManifestError, pod_errors, uri_errors
+from kuberl.api.uri import URIError
 from kuberl_operator.observed import Observed, format_time
 from kuberl_operator.reconcile import Event, Plan, Settings, next_action
 from kuberl_operator.status import FAILED, FINISHED_PHASES
@@ -27,7 +26,7 @@ def job_problems(job: t.RLTrainingJob) -> list[str]:
     """Why ``job`` cannot be rendered ("field: what is wrong" lines); none for a finished job."""
     if job.status and job.status.phase in FINISHED_PHASES:
         return []
-    return uri_errors(job)
+    return uri_errors(job) + pod_errors(job)
 
 
 def failed_plan(job: t.RLTrainingJob, problems: list[str], now: datetime) -> Plan:
@@ -58,5 +57,5 @@ def checked_plan(job: t.RLTrainingJob, observe: Callable[[], Observed], now: dat
         return failed_plan(job, problems, now)
     try:
         return next_action(job, observe(), now, settings)
-    except (RenderError, URIError) as err:
+    except (ManifestError, URIError) as err:
         return failed_plan(job, [str(err)], now)

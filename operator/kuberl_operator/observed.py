@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from kuberl.render import ATTEMPT_ANNOTATION
+from kuberl.api.contract import ATTEMPT_ANNOTATION
 
 # KubeRay's RayJob status.jobDeploymentStatus values (ray-operator/apis/ray/v1/rayjob_types.go).
 DEPLOYMENT_FAILED = "Failed"

@@ -21,9 +21,10 @@ from typing import Any
 
 import yaml
 
-from kuberl import plan as plans
+from kuberl.job import plan as plans
 from kuberl.api import types as t
-from kuberl.render import CONFIG_FILE, ray_job_name, render
+from kuberl.api.contract import CONFIG_FILE, PLAN_FILE, ray_job_name
+from kuberl.job.render import render
 from kuberl_operator import observed as o
 from kuberl_operator.status import (FINISHED_PHASES, SUSPENDED, compute_status, current_workload_error,
                                     finished_status)
@@ -81,7 +82,7 @@ def accepted_spec(job: t.RLTrainingJob, observed: o.Observed) -> dict[str, Any] 
 def written_plan(observed: o.Observed) -> plans.RunPlan | None:
     """The run plan in the job's ConfigMap (the one its newest attempt was created with), if any."""
     data = (observed.config_map or {}).get("data") or {}
-    return plans.read(data[plans.PLAN_FILE]) if plans.PLAN_FILE in data else None
+    return plans.read(data[PLAN_FILE]) if PLAN_FILE in data else None
 
 
 def _spec_dict(job: t.RLTrainingJob) -> dict[str, Any]:
@@ -120,7 +121,7 @@ def desired_objects(job: t.RLTrainingJob, observed: o.Observed, attempt: int | N
     given: a reconcile builds it once and passes it to the status too).
 
     A restart resumes from the newest complete checkpoint under spec.checkpoint.uri, decided by
-    the spec alone (``kuberl.plan.resume``): status.lastCheckpoint is the workload's to write and
+    the spec alone (``kuberl.job.plan.resume``): status.lastCheckpoint is the workload's to write and
     never steers what the next attempt mounts or restores. The RayJob is created suspended when
     the job is.
     """
@@ -180,7 +181,7 @@ def checkpoint_before_suspend(job: t.RLTrainingJob, ray_job: dict[str, Any], now
 def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, settings: Settings) -> Plan:
     """Everything to do for ``job`` now: status to write, objects to create, what to delete."""
     attempt = current_attempt(job, observed)
-    name = ray_job_name(job, attempt)
+    name = ray_job_name(job.metadata.name, attempt)
     ray_job = observed.ray_jobs.get(name)
     stale = sorted(n for n, rj in observed.ray_jobs.items() if n != name and o.attempt_of(rj) < attempt)
     refused = refused_changes(job, observed)
@@ -234,8 +235,8 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
                 ray_job = None
                 events.append(Event("Warning", "Restarting",
                                     f"RayJob {name} failed: {o.failure_reason(observed.ray_jobs[name])}; "
-                                    f"starting {ray_job_name(job, status_attempt)} (restart {status_attempt} of "
-                                    f"{job.spec.backoff_limit}) from the last checkpoint"))
+                                    f"starting {ray_job_name(job.metadata.name, status_attempt)} "
+                                    f"(restart {status_attempt} of {job.spec.backoff_limit}) from the last checkpoint"))
     elif bool((ray_job.get("spec") or {}).get("suspend")) != job.spec.suspend and not o.failed(ray_job) \
             and not o.succeeded(ray_job):
         suspend_wait = checkpoint_before_suspend(job, ray_job, now, settings) if job.spec.suspend else None

@@ -14,8 +14,8 @@ from datetime import datetime
 from typing import Any
 
 from kuberl.api import types as t
-from kuberl.plan import RunPlan
-from kuberl.render import ray_job_name
+from kuberl.job.plan import RunPlan
+from kuberl.api.contract import ray_job_name
 from kuberl_operator import observed as o
 
 STAGED = "Staged"
@@ -148,7 +148,7 @@ def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] 
     conditions: list[dict[str, str]] = []
     rj_status = (ray_job or {}).get("status") or {}
     cluster_state = ((ray_cluster or {}).get("status") or {}).get("state") or ""
-    expected_pods = plan.topology.expected_pods
+    expected_pods = plan.layout.expected_pods
     running_pods = _running_pods(pods)
     message = ""
 
@@ -193,7 +193,7 @@ def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] 
             reason, message = "Suspending", "suspending: KubeRay is deleting the Ray cluster"
         conditions.append(_condition(SUSPENDED, True, reason, message))
     elif ray_job is None:
-        phase, message = "Pending", f"creating RayJob {ray_job_name(job, attempt)}"
+        phase, message = "Pending", f"creating RayJob {ray_job_name(job.metadata.name, attempt)}"
     elif init_failure:
         phase, message = "Staging", init_failure
         conditions.append(_condition(STAGED, False, "StageFailed", init_failure))
@@ -256,7 +256,7 @@ def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] 
         "message": message,
         "conditions": _merge_conditions(old.get("conditions", []), conditions, now, job.metadata.generation),
         "restarts": attempt,
-        "rayJobName": ray_job["metadata"]["name"] if ray_job else ray_job_name(job, attempt),
+        "rayJobName": ray_job["metadata"]["name"] if ray_job else ray_job_name(job.metadata.name, attempt),
     }
     if job.metadata.generation is not None:
         out["observedGeneration"] = job.metadata.generation

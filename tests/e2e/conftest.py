@@ -114,7 +114,7 @@ def pytest_terminal_summary(terminalreporter):
 
 def _upload_tiny(s3, root: Path) -> None:
     """What the manifest's URIs name: s3://kuberl-models/tiny and s3://kuberl-data/repeat_letter.jsonl."""
-    from kuberl.tiny import make_all
+    from kuberl.driver.tiny import make_all
 
     make_all(root)
     manifest = yaml.safe_load(EXAMPLE.read_text())["spec"]

@@ -68,7 +68,7 @@ def local_run(product, tmp_path_factory):
     env.update(product.s3_host_env)
     began = time.monotonic()
     with (tmp / "driver.log").open("w") as log:
-        code = subprocess.run([sys.executable, "-m", "kuberl.train", "--config", str(config), "--work-dir",
+        code = subprocess.run([sys.executable, "-m", "kuberl.driver", "--config", str(config), "--work-dir",
                                str(tmp / "work"), "--metrics-file", str(tmp / "metrics.jsonl")],
                               env=env, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S).returncode
     assert code == 0, (tmp / "driver.log").read_text()[-4000:]

@@ -47,7 +47,7 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, model_path: str, results):
-    from kuberl.samples import Sample, TrainBatch
+    from kuberl.common.samples import Sample, TrainBatch
     from kuberl.train.model import ModelOptions
     from kuberl.train.worker import TrainerConfig, TrainerWorker
 
@@ -77,7 +77,7 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, results):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_nccl_ranks_train_tiny_moe_and_skip_non_finite(tmp_path):
-    from kuberl.tiny import make_model
+    from kuberl.driver.tiny import make_model
 
     model_path = str(make_model(tmp_path / "moe", moe=True))
     ctx = mp.get_context("spawn")

@@ -1,15 +1,15 @@
-"""A worker process exporting metrics through kuberl.metrics, fed synthetic training steps: the
+"""A worker process exporting metrics through kuberl.common.metrics, fed synthetic training steps: the
 scrape target for the Prometheus tests. Usage: python -m tests.shared.worker_feed PORT ROLE RANK
 (job and namespace come from KUBERL_JOB_NAME/KUBERL_NAMESPACE, as in a worker pod). It runs until
-terminated. It stands in for the GRPO driver because a real run is too slow for a scrape test; the
-step dicts have the driver's shape (kuberl.train.driver/worker), checked in test_worker_metrics."""
+terminated. It stands in for the driver because a real run is too slow for a scrape test; the
+step dicts have the driver's shape (kuberl.driver.loop/worker), checked in test_worker_metrics."""
 
 from __future__ import annotations
 
 import sys
 import time
 
-from kuberl import metrics
+from kuberl.common import metrics
 
 STEP_SECONDS = 0.2
 

@@ -1,6 +1,6 @@
 import pytest
 
-from kuberl.uri import URIError, parse
+from kuberl.api.uri import URIError, parse
 
 
 @pytest.mark.parametrize("uri,scheme,bucket,path,revision", [
@@ -48,8 +48,8 @@ def test_every_scheme_is_placed_and_reached():
     are read (the Hub, or an fsspec Store that imports); written forms parse back to the scheme."""
     import pkgutil
 
+    from kuberl.api.uri import SCHEMES, in_pod_path
     from kuberl.storage.filesystems import Store
-    from kuberl.uri import SCHEMES, in_pod_path
 
     examples = {"s3": "s3://bucket/p", "gs": "gs://bucket/p", "hf": "hf://org/name", "pvc": "pvc://claim/p",
                 "file": "/abs/p"}
@@ -67,7 +67,7 @@ def test_every_scheme_is_placed_and_reached():
 
 
 def test_no_scheme_branches_outside_the_table():
-    """Scheme behaviour lives in kuberl.uri.SCHEMES: code asks the table (``parsed.info.hub``,
+    """Scheme behaviour lives in kuberl.api.uri.SCHEMES: code asks the table (``parsed.info.hub``,
     ``.mounted``, ``.on_disk``, ``.store``), never compares a scheme's name."""
     import re
     from pathlib import Path
@@ -77,4 +77,38 @@ def test_no_scheme_branches_outside_the_table():
     found = [f"{path.relative_to(root)}:{n}: {line.strip()}"
              for folder in ("workloads", "operator") for path in sorted((root / folder).rglob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if branch.search(line)]
-    assert not found, "branch on the scheme's SchemeInfo in kuberl/uri.py instead:\n" + "\n".join(found)
+    assert not found, "branch on the scheme's SchemeInfo in kuberl/api/uri.py instead:\n" + "\n".join(found)
+
+
+def test_spec_uris_are_typed_once_and_parsed_once_on_use(monkeypatch):
+    """The API types hand out SpecURI values: strings to the schema, YAML and JSON, each parsed
+    once, naming its field; a bad one still loads (a stored job) and fails only when used."""
+    import json
+    import pickle
+
+    import yaml
+
+    import kuberl.api.uri as uris
+    from kuberl.api.validate import validate_manifest
+    from tests.unit.api.bad_manifests import minimal_manifest
+
+    calls = []
+    real = uris.parse
+    monkeypatch.setattr(uris, "parse", lambda *a: calls.append(a) or real(*a))
+    manifest = minimal_manifest()
+    manifest["spec"]["checkpoint"] = {"uri": "s3://ckpt/run", "resume": "s3://ckpt/run/step-000000001"}
+    spec = validate_manifest(manifest).spec
+    uri = spec.model.uri
+    assert isinstance(uri, uris.SpecURI) and uri == "s3://models/tiny" and uri.field == "spec.model.uri"
+    assert spec.checkpoint.resume.field == "spec.checkpoint.resume"
+    assert uri.parsed is uri.parsed and uri.parsed.bucket == "models"
+    assert calls.count(("s3://models/tiny", "spec.model.uri")) == 1
+    dumped = spec.model_dump(mode="json", by_alias=True)
+    assert type(dumped["model"]["uri"]) is str and "s3://models/tiny" in yaml.safe_dump(dumped)
+    assert json.loads(json.dumps({"u": uri})) == {"u": "s3://models/tiny"}
+    again = pickle.loads(pickle.dumps(spec))  # as Ray sends it to actors: the string and the field
+    assert again.model.uri == uri and again.model.uri.field == "spec.model.uri"
+
+    stored = spec.model.model_copy(update={"uri": uris.SpecURI("s3://models/../x", "spec.model.uri")})
+    with pytest.raises(URIError, match=r"^spec\.model\.uri: "):
+        stored.uri.parsed

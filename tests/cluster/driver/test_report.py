@@ -7,8 +7,8 @@ import urllib.error
 import pytest
 import yaml
 
-from kuberl.render import render_manifest
-from kuberl.train.report import KubernetesStatusReporter
+from kuberl.driver.report import KubernetesStatusReporter
+from kuberl.job.render import render_manifest
 from tests.unit.api.bad_manifests import minimal_manifest
 
 pytestmark = pytest.mark.cluster
@@ -66,8 +66,8 @@ def test_workload_identity_patches_its_own_status_only(crd, tmp_path):
     printed = cluster.kubectl("get", "rltj", "mine", "-n", ns).stdout
     assert "0.25" in printed and " 3 " in printed
     # An error in the job's own input, as the CRD's schema takes it.
-    from kuberl.train.report import user_errors_reported
-    from kuberl.train.rewards import RewardError
+    from kuberl.common.reward_values import RewardError
+    from kuberl.driver.report import user_errors_reported
 
     with pytest.raises(RewardError), user_errors_reported(reporter, attempt=0):
         raise RewardError("spec.reward.function failed: TypeError('not a list')")
@@ -98,8 +98,8 @@ def test_workload_error_has_the_pods_secret_values_redacted(crd, tmp_path, monke
     from the job's Secrets: the tracker key, an MLflow URI with a password. The status stored on
     the real API server, which everyone who may read the job reads, has none of it; nor has the
     exception the driver goes on to raise (its last line reaches status through KubeRay)."""
-    from kuberl.train.report import REDACTED, user_errors_reported
-    from kuberl.train.rewards import RewardError
+    from kuberl.common.reward_values import RewardError
+    from kuberl.driver.report import REDACTED, user_errors_reported
 
     cluster, ns = crd, "redact-test"
     cluster.kubectl("create", "namespace", ns)

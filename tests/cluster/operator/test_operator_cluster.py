@@ -11,8 +11,8 @@ import kubernetes
 import pytest
 import yaml
 
-from kuberl import plan as plans
-from kuberl.render import CONFIG_FILE
+from kuberl.job import plan as plans
+from kuberl.api.contract import CONFIG_FILE, PLAN_FILE
 from tests.harness.helpers import apply, get_json, wait_for
 from tests.cluster.operator.conftest import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, example, get
 
@@ -105,7 +105,7 @@ def test_failed_rayjob_restarts_from_checkpoint_then_fails_after_backoff_limit(k
     annotations = yaml.safe_load(config["data"][CONFIG_FILE])["metadata"]["annotations"]
     assert annotations["kuberl.dev/attempt"] == "1"
     # The restart resumes from the newest checkpoint under spec.checkpoint.uri, decided from the spec.
-    assert plans.read(config["data"][plans.PLAN_FILE]).resume == plans.Resume(newest_under="s3://kuberl-ckpt/tiny")
+    assert plans.read(config["data"][PLAN_FILE]).resume == plans.Resume(newest_under="s3://kuberl-ckpt/tiny")
     restarted = get(k8s_cluster, "rayjob", f"{JOB}-r1", "-n", namespace)
     assert "someone-elses-claim" not in json.dumps(restarted)
     wait_for("the failed RayJob to be deleted", lambda: get(k8s_cluster, "rayjob", JOB, "-n", namespace) is None, k8s_cluster)

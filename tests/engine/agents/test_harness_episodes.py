@@ -15,14 +15,14 @@ from tests.unit.agents.test_endpoint_episodes import prompts
 
 
 def test_the_calculator_harness_plays_episodes_with_the_anthropic_sdk(serve, tokenizer):
-    """``spec.agent.harness``: a program of its own per episode (``python -m kuberl.agents.calculator``)."""
+    """``spec.agent.harness``: a program of its own per episode (``python -m kuberl.rollout.agents.calculator``)."""
     import sys
 
-    from kuberl.agents.episodes import AgentRollout
+    from kuberl.rollout.agents.episodes import AgentRollout
 
     spec = make_spec().model_copy(deep=True)
     spec.agent.environment = None
-    spec.agent.harness = AgentHarnessSpec(command=[sys.executable, "-m", "kuberl.agents.calculator"])
+    spec.agent.harness = AgentHarnessSpec(command=[sys.executable, "-m", "kuberl.rollout.agents.calculator"])
     base_url, episodes, engine = serve(spec)
     rollout = AgentRollout(spec, base_url=base_url, model=MODEL, episodes=episodes)
     (group,) = rollout.generate(prompts()[:1], group_size=2, seed=5)
@@ -36,8 +36,8 @@ def test_the_calculator_harness_plays_episodes_with_the_anthropic_sdk(serve, tok
 def test_a_harness_that_fails_or_prints_no_reward_names_the_field(serve):
     import sys
 
-    from kuberl.agents.environment import AgentError
-    from kuberl.agents.episodes import AgentRollout
+    from kuberl.rollout.agents.environment import AgentError
+    from kuberl.rollout.agents.episodes import AgentRollout
 
     base_url, episodes, _ = serve(make_spec())
     for command, message in [(["no-such-agent-program"], "spec.agent.harness.command: 'no-such-agent-program'"),
@@ -74,7 +74,7 @@ def test_a_harness_that_exits_has_what_it_left_running_killed(serve, tmp_path):
     (reading a pipe to its end would wait for the sleeper), and the sleeper is killed with it."""
     import time
 
-    from kuberl.agents.episodes import AgentRollout
+    from kuberl.rollout.agents.episodes import AgentRollout
     from tests.processes import running
 
     spec = _leaky_harness_spec(tmp_path / "pid", "exit", timeout_seconds=60)
@@ -90,8 +90,8 @@ def test_a_harness_that_exits_has_what_it_left_running_killed(serve, tmp_path):
 def test_a_harness_that_times_out_is_killed_with_its_process_group(serve, tmp_path):
     import time
 
-    from kuberl.agents.environment import AgentError
-    from kuberl.agents.episodes import AgentRollout
+    from kuberl.rollout.agents.environment import AgentError
+    from kuberl.rollout.agents.episodes import AgentRollout
     from tests.processes import running
 
     spec = _leaky_harness_spec(tmp_path / "pid", "hang", timeout_seconds=5)

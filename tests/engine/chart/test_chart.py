@@ -58,8 +58,8 @@ def test_service_monitor_without_service_fails_with_the_fix(helm):
 
 
 def test_pod_monitor_selects_rendered_worker_pods(helm):
-    """The PodMonitor's selector and port names match what kuberl.render puts on worker pods."""
-    from kuberl.render import METRICS_PORT
+    """The PodMonitor's selector and port names match what kuberl.job.render puts on worker pods."""
+    from kuberl.api.contract import METRICS_PORT
 
     objects = helm.template("--set", "monitoring.podMonitor.enabled=true", "--set", "watchNamespaces={team-a}")
     monitor, = by_kind(objects, "PodMonitor")
@@ -81,7 +81,7 @@ def test_pod_monitor_selects_rendered_worker_pods(helm):
 
 def test_pod_monitor_port_names_exist_on_rendered_pods():
     """Rendered RayJob pods carry the labels and named ports the PodMonitor selects."""
-    from kuberl.render import render_manifest
+    from kuberl.job.render import render_manifest
     from tests.harness.harness import REPO_ROOT
 
     manifest = yaml.safe_load((REPO_ROOT / "examples" / "grpo-tiny-cpu.yaml").read_text())

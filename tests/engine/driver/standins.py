@@ -1,5 +1,5 @@
 """Recording stand-ins for the trainer group, engine pool and weight sync around the real
-GRPODriver (real tokenizer, data and rewards), for tests of the order the driver keeps. The reward
+Driver (real tokenizer, data and rewards), for tests of the order the driver keeps. The reward
 workers are Ray tasks: a test using ``standin_driver`` takes the session's Ray (`ray_session`).
 
 Why stand-ins: what these tests check is the order of the driver's calls, which the real parts
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kuberl import plan as plans
-from kuberl.samples import Sample
-from kuberl.train.checkpoint import CheckpointManager
-from kuberl.train.driver import GRPODriver
-from kuberl.train.report import StatusReporter
+from kuberl.common.samples import Sample
+from kuberl.driver.checkpoints import CheckpointManager
+from kuberl.driver.loop import Driver
+from kuberl.driver.report import StatusReporter
+from kuberl.job import plan as plans
 
 
 class Calls(list):
@@ -48,7 +48,7 @@ class Trainer:
         return self.calls.record("log_probs", [[-1.0, -1.0] for _ in batch.samples])
 
     def train_step(self, batch):
-        # The metrics a TrainerWorker update returns (kuberl.train.updates merges them).
+        # The metrics a TrainerWorker update returns (kuberl.driver.updates merges them).
         return self.calls.record("train_step", {
             "loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "aux_loss": 0.0, "clip_frac": 0.0,
             "tokens": 1.0, "grad_norm": 0.0, "lr": 0.0, "skipped": 0.0, "skipped_total": 0.0,
@@ -64,11 +64,11 @@ class Sync:
 
 
 def standin_driver(tmp_path: Path, calls: Calls, *, colocate: bool = False,
-                   reporter: StatusReporter | None = None) -> GRPODriver:
+                   reporter: StatusReporter | None = None) -> Driver:
     """The embedded job's driver, two prompts x two samples per step, without checkpoints."""
     from transformers import AutoTokenizer
 
-    from kuberl.train.__main__ import embedded_job
+    from kuberl.driver.__main__ import embedded_job
 
     job = embedded_job(tmp_path / "tiny")
     spec = job.spec.model_dump(by_alias=True, exclude_none=True, mode="json")
@@ -79,7 +79,7 @@ def standin_driver(tmp_path: Path, calls: Calls, *, colocate: bool = False,
     spec["checkpoint"] = {}
     job = job.model_copy(update={"spec": type(job.spec).model_validate(spec)})
     plan = plans.local(job, tmp_path / "work")
-    return GRPODriver(job, plan, trainer=Trainer(calls), engines=Engines(calls), weight_sync=Sync(calls),
+    return Driver(job, plan, trainer=Trainer(calls), engines=Engines(calls), weight_sync=Sync(calls),
                       tokenizer=AutoTokenizer.from_pretrained(job.spec.model.uri), data_path=job.spec.data.uri,
                       checkpoints=CheckpointManager(plan.checkpoints, plan.resume, trainer=None),
                       reporter=reporter or StatusReporter())

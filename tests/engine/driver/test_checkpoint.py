@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from kuberl.plan import Checkpoints, Resume
+from kuberl.job.plan import Checkpoints, Resume
 from kuberl.storage import (StorageError, checkpoint_to_restore, commit_checkpoint, latest_checkpoint,
                             verify_checkpoint, withdraw_from)
 from kuberl.train import checkpoint as ckpt
@@ -121,7 +121,7 @@ def test_a_rewritten_step_is_withdrawn_before_it_is_written(s3, tmp_path):
 
 KILLED_UPLOAD = textwrap.dedent("""
     import sys, time
-    from kuberl.plan import Checkpoints
+    from kuberl.job.plan import Checkpoints
     from kuberl.train.checkpoint import RankCheckpointer
     from tests.engine.driver.one_rank import OneRank
 

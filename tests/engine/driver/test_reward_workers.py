@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from kuberl.api.types import RewardSpec
-from kuberl.train.rewards import RewardError, RewardInput, RewardWorkers
+from kuberl.common.reward_values import RewardError
+from kuberl.driver.rewards import RewardInput, RewardWorkers
 from tests.processes import running
 
 pytest.importorskip("ray")

@@ -9,8 +9,8 @@ the reporter records what the driver would patch into status."""
 
 from __future__ import annotations
 
-from kuberl.train import driver as driver_module
-from kuberl.train.report import StatusReporter
+from kuberl.driver import loop as driver_module
+from kuberl.driver.report import StatusReporter
 from tests.engine.driver.standins import Calls, standin_driver
 
 

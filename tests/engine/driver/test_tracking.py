@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from kuberl.api.types import TrackingSpec
-from kuberl.train.tracking import TrackingError, Trackers, make_trackers
+from kuberl.driver.tracking import TrackingError, Trackers, make_trackers
 
 STEPS = [{"reward_mean": 0.1 * step, "clip_frac": 0.01 * step, "val/pass@4": 0.5, "grad_norm": float("nan")}
          for step in range(1, 4)]

@@ -30,7 +30,7 @@ RANK = textwrap.dedent("""
     import json, os, signal, sys
     from pathlib import Path
     import torch.distributed as dist
-    from kuberl.plan import Checkpoints, Resume
+    from kuberl.job.plan import Checkpoints, Resume
     from kuberl.train.checkpoint import RankCheckpointer, find_checkpoint
     from tests.engine.driver.one_rank import OneRank
 

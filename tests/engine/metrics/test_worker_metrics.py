@@ -1,4 +1,4 @@
-"""kuberl.metrics: names, units and labels of the worker series, what record_step exports from the
+"""kuberl.common.metrics: names, units and labels of the worker series, what record_step exports from the
 driver's per-step dict, the exporter over HTTP, and `promtool check metrics` on its exposition."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kuberl.metrics import LABELS, Identity, WorkerMetrics, record_step
+from kuberl.common.metrics import LABELS, Identity, WorkerMetrics, record_step
 
 IDENTITY = Identity(job="grpo", namespace="team-a", role="trainer", rank="3")
 PREFIXES = ("kuberl_train_", "kuberl_rollout_", "kuberl_sync_", "kuberl_checkpoint_", "kuberl_stage_")
@@ -37,7 +37,7 @@ def value(registry, name: str, **extra) -> float | None:
 
 
 def test_import_does_not_load_prometheus_client():
-    code = "import sys, kuberl.metrics; print('prometheus_client' in sys.modules)"
+    code = "import sys, kuberl.common.metrics; print('prometheus_client' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
@@ -120,7 +120,7 @@ def test_record_without_exporter_is_a_no_op():
 
 def test_first_process_of_a_pod_serves_its_port_the_others_record_nowhere():
     """Trainer ranks and engines of one pod share its metrics port: the first takes it."""
-    code = ("import os, socket, kuberl.metrics as m\n"
+    code = ("import os, socket, kuberl.common.metrics as m\n"
             "os.environ.pop('KUBERL_METRICS_PORT', None)\n"
             "print(m.start_pod_exporter('trainer'))\n"  # a local run: no port, no exporter
             "s = socket.socket(); s.bind(('0.0.0.0', 0)); s.listen()\n"
@@ -133,7 +133,7 @@ def test_first_process_of_a_pod_serves_its_port_the_others_record_nowhere():
 
 
 def test_exporter_without_port_names_the_env_variable():
-    code = ("import os, kuberl.metrics as m\nos.environ.pop('KUBERL_METRICS_PORT', None)\n"
+    code = ("import os, kuberl.common.metrics as m\nos.environ.pop('KUBERL_METRICS_PORT', None)\n"
             "try:\n m.start_exporter()\nexcept ValueError as e:\n print(e)\n"
             "os.environ['KUBERL_METRICS_PORT'] = 'ninety'\n"
             "try:\n m.start_exporter()\nexcept ValueError as e:\n print(e)\n")

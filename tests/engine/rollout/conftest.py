@@ -10,7 +10,7 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from kuberl.tiny import make_model
+    from kuberl.driver.tiny import make_model
 
     return str(make_model(tmp_path_factory.mktemp("tiny") / "model"))
 
@@ -34,8 +34,8 @@ def spec(tiny_model):
 
 def local_plan(spec, work_dir="/tmp/kuberl-rollout-tests"):
     """The run plan `kuberl train` makes outside Kubernetes."""
-    from kuberl import plan as plans
     from kuberl.api.types import RLTrainingJob
+    from kuberl.job import plan as plans
 
     return plans.local(RLTrainingJob(metadata={"name": "rollout-test"}, spec=spec), work_dir)
 

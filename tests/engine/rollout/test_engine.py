@@ -52,7 +52,7 @@ def test_sleep_is_a_reported_no_op_on_cpu(pool):
 
 
 def test_missing_model_is_a_clear_error_before_vllm_starts(spec):
-    from kuberl.plan import Paths
+    from kuberl.job.plan import Paths
     from kuberl.rollout.engine import RolloutEngine
 
     with pytest.raises(FileNotFoundError, match="/nonexistent/model"):

@@ -143,7 +143,7 @@ def test_sdk_raises_bad_request_and_unknown_model_is_404(openai_client, anthropi
 
 
 # --- bad input: a 4xx in the API's own shape, before it reaches an engine ------------------------
-VOCAB = 128  # the tiny model's (kuberl.tiny.VOCAB_SIZE); its tokenizer has 100 of them
+VOCAB = 128  # the tiny model's (kuberl.driver.tiny.VOCAB_SIZE); its tokenizer has 100 of them
 CHAT = [{"role": "user", "content": "x"}]
 
 

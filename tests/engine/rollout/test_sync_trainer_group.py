@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from kuberl.samples import Sample, TrainBatch
+from kuberl.common.samples import Sample, TrainBatch
 from tests.engine.rollout.conftest import local_plan, make_spec
 from tests.engine.rollout.test_weight_sync import SEQUENCE, engine_logprobs, mean_abs_delta
 

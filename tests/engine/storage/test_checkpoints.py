@@ -77,7 +77,7 @@ def test_bad_step_and_keep(tmp_path):
 
 def test_stage_checkpoint_takes_the_newest_complete_or_nothing(root, tmp_path, capsys):
     """What the stage-checkpoint init container runs: ``kuberl stage --checkpoint ROOT DST``."""
-    from kuberl.stage import main as stage_main
+    from kuberl.cli.stage import main as stage_main
 
     uri, fs, path = root
     assert stage_main(["--checkpoint", uri, str(tmp_path / "first-run")]) == 0

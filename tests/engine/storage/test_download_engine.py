@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from kuberl.api.uri import parse
 from kuberl.storage import StorageError, stage
 from kuberl.storage.download import STREAM_BLOCK, download_files, list_source
 from kuberl.storage.filesystems import filesystem
 from kuberl.storage.progress import Progress
-from kuberl.uri import parse
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -151,7 +151,7 @@ def test_kill_during_parallel_parts_then_resume(s3, s3_env, tmp_path):
     dst = tmp_path / "dst"
     env = {**os.environ, **s3_env,
            "PYTHONPATH": os.pathsep.join([str(REPO / "workloads"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "kuberl.stage", uri, str(dst), "--workers", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "kuberl.cli.stage", uri, str(dst), "--workers", "2",
                              "--part-size", "1MiB"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     journal = dst / ".kuberl-stage.journal"

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from kuberl.stage import main as stage_main
+from kuberl.api.uri import parse
+from kuberl.cli.stage import main as stage_main
 from kuberl.storage import StorageError, stage
 from kuberl.storage.download import download_files, list_source
 from kuberl.storage.filesystems import filesystem
 from kuberl.storage.progress import Progress
-from kuberl.uri import parse
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -222,7 +222,7 @@ def test_kill_mid_way_then_resume_downloads_nothing_verified(s3, s3_env, tmp_pat
     dst = tmp_path / "dst"
     env = {**os.environ, **s3_env,
            "PYTHONPATH": os.pathsep.join([str(REPO / "workloads"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "kuberl.stage", uri, str(dst), "--workers", "2"],
+    proc = subprocess.Popen([sys.executable, "-m", "kuberl.cli.stage", uri, str(dst), "--workers", "2"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     journal = dst / ".kuberl-stage.journal"
     deadline = time.monotonic() + 120

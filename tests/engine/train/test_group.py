@@ -14,10 +14,10 @@ import pytest
 import ray
 import torch
 
-from kuberl import plan as plans
 from kuberl.api.types import RLTrainingJob, RLTrainingJobSpec
-from kuberl.samples import Sample, TrainBatch
-from kuberl.tiny import make_model
+from kuberl.common.samples import Sample, TrainBatch
+from kuberl.driver.tiny import make_model
+from kuberl.job import plan as plans
 from kuberl.train.group import TrainerGroup
 from tests.shared.stores import S3_ENV
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from kuberl.tiny import make_model
+from kuberl.driver.tiny import make_model
 
 
 def _rank(rank: int, world: int, port: int, model_path: str, moe: bool) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kuberl.tiny import make_model
+from kuberl.driver.tiny import make_model
 
 ROOT = Path(__file__).resolve().parents[3]
 TIMEOUT_S = 120

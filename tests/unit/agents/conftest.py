@@ -12,7 +12,7 @@ from tests.unit.agents.stand_in import Pool, ScriptedEngine
 
 @pytest.fixture(scope="session")
 def tokenizer(tmp_path_factory):
-    from kuberl.tiny import make_tokenizer
+    from kuberl.driver.tiny import make_tokenizer
 
     return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 

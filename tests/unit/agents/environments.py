@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from kuberl.agents.environment import Step
+from kuberl.rollout.agents.environment import Step
 
 # Lets a hung call's thread end once its test is over (the episode stopped waiting for it long before).
 RELEASE = threading.Event()

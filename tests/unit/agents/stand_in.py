@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 
 from kuberl.api import RLTrainingJobSpec
-from kuberl.samples import Sample
-from kuberl.tiny import VOCAB_SIZE
+from kuberl.common.samples import Sample
+from kuberl.driver.tiny import VOCAB_SIZE
 
 MODEL = "kuberl-tiny"
 UNUSED_TOKEN = 120  # beyond the tiny vocabulary's characters: decodes to no text at all
@@ -64,7 +64,7 @@ def make_spec(max_response_length: int = 64) -> RLTrainingJobSpec:
     return RLTrainingJobSpec.model_validate({
         "image": "kuberl/worker:test", "model": {"uri": "/models/tiny"}, "data": {"uri": "/data/calc.jsonl"},
         "rollout": {"gpusPerReplica": 0, "maxPromptLength": 48, "maxResponseLength": max_response_length},
-        "agent": {"environment": "kuberl.agents.calculator:Calculator", "maxTurns": 4, "maxTokensPerTurn": 12},
+        "agent": {"environment": "kuberl.rollout.agents.calculator:Calculator", "maxTurns": 4, "maxTokensPerTurn": 12},
         "algorithm": {"groupSize": 2, "temperature": 0.7},
     })
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from kuberl import plan as plans
+from kuberl.driver.checkpoints import CheckpointManager
+from kuberl.driver.loop import Driver
+from kuberl.driver.report import StatusReporter
+from kuberl.job import plan as plans
 from kuberl.rollout.server import BackgroundServer, make_app
-from kuberl.train.checkpoint import CheckpointManager
-from kuberl.train.driver import GRPODriver
-from kuberl.train.report import StatusReporter
 from tests.unit.agents.stand_in import MODEL, Pool, ScriptedEngine
 from tests.unit.driver.test_algorithm_driver import Sync, Trainer
 
@@ -42,13 +42,13 @@ class Engines:
 def driver(tmp_path):
     from transformers import AutoTokenizer
 
-    from kuberl import tiny
-    from kuberl.train.__main__ import embedded_job
+    from kuberl.driver import tiny
+    from kuberl.driver.__main__ import embedded_job
 
     job = embedded_job(tmp_path / "tiny")
     spec = job.spec.model_dump(by_alias=True, exclude_none=True, mode="json")
     spec["data"]["uri"] = str(tiny.make_calculator_data(tmp_path / "calculator.jsonl", n=16))
-    spec["agent"] = {"environment": "kuberl.agents.calculator:Calculator", "maxTokensPerTurn": 8}
+    spec["agent"] = {"environment": "kuberl.rollout.agents.calculator:Calculator", "maxTokensPerTurn": 8}
     spec["algorithm"].update(promptsPerStep=2, groupSize=2, microBatchSize=2)
     spec["rollout"].update(maxPromptLength=48, maxResponseLength=64)
     spec["checkpoint"] = {}
@@ -56,7 +56,7 @@ def driver(tmp_path):
     plan = plans.local(job, tmp_path / "work")
     tokenizer = AutoTokenizer.from_pretrained(job.spec.model.uri)
     engines, trainer = Engines(job.spec, tokenizer), Trainer()
-    driver = GRPODriver(job, plan, trainer=trainer, engines=engines, weight_sync=Sync(), tokenizer=tokenizer,
+    driver = Driver(job, plan, trainer=trainer, engines=engines, weight_sync=Sync(), tokenizer=tokenizer,
                         data_path=job.spec.data.uri,
                         checkpoints=CheckpointManager(plan.checkpoints, plan.resume, trainer=None),
                         reporter=StatusReporter())

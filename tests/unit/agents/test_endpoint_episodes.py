@@ -10,9 +10,9 @@ import re
 import httpx
 import pytest
 
+from kuberl.common.prompts import Prompt
 from kuberl.rollout.server import BackgroundServer, make_app
 from kuberl.rollout.transitions import EpisodeSampling, episode_to_sample
-from kuberl.train.data import Prompt
 from tests.unit.agents.stand_in import MODEL, UNUSED_TOKEN, Pool, ScriptedEngine, make_spec
 
 
@@ -74,7 +74,7 @@ def test_openai_bearer_keys_record_too_and_one_choice_per_turn(serve):
 
 
 def prompts() -> list[Prompt]:
-    from kuberl.tiny import calculator_rows
+    from kuberl.driver.tiny import calculator_rows
 
     rows = calculator_rows(2, seed=1)
     return [Prompt(row["prompt"], row["answer"], i, ({"role": "user", "content": row["prompt"]},),
@@ -82,7 +82,7 @@ def prompts() -> list[Prompt]:
 
 
 def test_calculator_episodes_through_the_endpoint_train_on_the_model_tokens_only(serve, tokenizer):
-    from kuberl.agents.episodes import AgentRollout
+    from kuberl.rollout.agents.episodes import AgentRollout
 
     spec = make_spec()
     base_url, episodes, engine = serve(spec)
@@ -107,7 +107,7 @@ def test_calculator_episodes_through_the_endpoint_train_on_the_model_tokens_only
 
 
 def test_an_episode_that_fills_the_context_ends_there(serve):
-    from kuberl.agents.episodes import AgentRollout
+    from kuberl.rollout.agents.episodes import AgentRollout
 
     spec = make_spec(max_response_length=16)  # context 64: no room for the tool's reply
     base_url, episodes, _ = serve(spec)
@@ -121,7 +121,7 @@ def test_an_episode_that_fills_the_context_ends_there(serve):
 def test_a_chat_the_template_refuses_is_a_400_naming_messages(tmp_path):
     """Real templates check the chat themselves (``raise_exception``, e.g. on the order of roles);
     that is the request's fault, not the endpoint's."""
-    from kuberl.tiny import make_tokenizer
+    from kuberl.driver.tiny import make_tokenizer
 
     tokenizer = make_tokenizer(tmp_path)
     tokenizer.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations must "
@@ -155,8 +155,8 @@ def test_an_environment_call_that_never_returns_fails_the_step_in_bounded_time(s
                                                                                environment, call):
     import time
 
-    from kuberl.agents.environment import AgentError
-    from kuberl.agents.episodes import AgentRollout
+    from kuberl.rollout.agents.environment import AgentError
+    from kuberl.rollout.agents.episodes import AgentRollout
 
     spec = make_spec().model_copy(deep=True)
     spec.agent.environment = f"tests.unit.agents.environments:{environment}"
@@ -172,8 +172,8 @@ def test_an_environment_call_that_never_returns_fails_the_step_in_bounded_time(s
 
 
 def test_an_episode_reward_beyond_the_bound_is_an_error(serve):
-    from kuberl.agents.environment import AgentError
-    from kuberl.agents.episodes import AgentRollout
+    from kuberl.rollout.agents.environment import AgentError
+    from kuberl.rollout.agents.episodes import AgentRollout
 
     spec = make_spec().model_copy(deep=True)
     spec.agent.environment = "tests.unit.agents.environments:LargeSum"

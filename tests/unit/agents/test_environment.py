@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from kuberl.agents.calculator import Calculator, evaluate
-from kuberl.agents.environment import AgentError, Step, Task, as_step, first_chat, load_environment
-from kuberl.tiny import calculator_rows
+from kuberl.driver.tiny import calculator_rows
+from kuberl.rollout.agents.calculator import Calculator, evaluate
+from kuberl.rollout.agents.environment import AgentError, Step, Task, as_step, first_chat, load_environment
 
 
 def task(row: dict) -> Task:
@@ -60,13 +60,13 @@ def test_the_embedded_rows_have_one_digit_answers_their_expressions_give():
 
 
 def test_load_environment_names_the_field_and_the_fix():
-    assert load_environment("kuberl.agents.calculator:Calculator") is Calculator
+    assert load_environment("kuberl.rollout.agents.calculator:Calculator") is Calculator
     with pytest.raises(AgentError, match=r"spec.agent.environment: cannot import 'no_such_module'"):
         load_environment("no_such_module:Env")
-    with pytest.raises(AgentError, match=r"spec.agent.environment: 'kuberl.agents.calculator' has no class 'Nope'"):
-        load_environment("kuberl.agents.calculator:Nope")
+    with pytest.raises(AgentError, match=r"spec.agent.environment: 'kuberl.rollout.agents.calculator' has no class 'Nope'"):
+        load_environment("kuberl.rollout.agents.calculator:Nope")
     with pytest.raises(AgentError, match=r"spec.agent.environment: .* has no reset or step method"):
-        load_environment("kuberl.agents.environment:Task")
+        load_environment("kuberl.rollout.agents.environment:Task")
 
 
 def test_reset_may_return_a_chat_a_string_or_gymnasium_pair():
@@ -105,7 +105,7 @@ def test_step_may_return_a_step_or_gymnasium_five_tuple():
 def test_an_agent_failure_goes_to_the_job_status_as_agent_failed():
     """A hung or failing environment or harness is the job's own input: status.workloadError says
     so (the operator then fails the job instead of restarting it into the same episodes)."""
-    from kuberl.train.report import StatusReporter, user_errors_reported
+    from kuberl.driver.report import StatusReporter, user_errors_reported
 
     class Recording(StatusReporter):
         patches: list[dict] = []

@@ -8,9 +8,9 @@ import copy
 import pytest
 import torch
 
+from kuberl.common.samples import TrainBatch
 from kuberl.rollout.continuation import ContinuationError, continuation_ids
 from kuberl.rollout.transitions import Transition, episode_to_sample
-from kuberl.samples import TrainBatch
 
 TOOL_OUTPUT = "calculator: 3"
 

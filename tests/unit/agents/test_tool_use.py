@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kuberl.agents.calculator import evaluate
+from kuberl.rollout.agents.calculator import evaluate
 from kuberl.rollout.protocol import MessagesRequest, TextBlock, ToolUseBlock, assistant_message, reply_blocks
 from kuberl.rollout.transitions import episode_to_sample
 from tests.unit.agents.stand_in import MODEL, ScriptedEngine, make_spec

@@ -146,12 +146,13 @@ def manifests() -> st.SearchStrategy[dict[str, Any]]:
 def local_verdict(manifest: dict[str, Any]) -> str | None:
     """None when ``kuberl render`` accepts the manifest, else its error (anything other than the
     renderer's own errors propagates: a crash is a finding too)."""
+    from kuberl.api.uri import URIError
     from kuberl.api.validate import ManifestError
-    from kuberl.render import RenderError, render_manifest
-    from kuberl.uri import URIError
+    from kuberl.job.render import render_manifest
+    from kuberl.api.uri import URIError
 
     try:
         render_manifest(manifest)
-    except (ManifestError, RenderError, URIError) as exc:
+    except (ManifestError, URIError) as exc:
         return str(exc)
     return None

@@ -6,9 +6,10 @@ import typing
 import pytest
 
 from kuberl.api.types import AlgorithmName
+from kuberl.api.uri import URIError
 from kuberl.api.validate import ManifestError
-from kuberl.render import RenderError, render_manifest
-from kuberl.uri import URIError
+from kuberl.job.render import render_manifest
+from kuberl.api.uri import URIError
 from tests.unit.api.bad_manifests import BAD_MANIFESTS, minimal_manifest
 
 
@@ -24,7 +25,7 @@ def test_the_minimal_manifest_is_valid():
 
 @pytest.mark.parametrize("case", BAD_MANIFESTS, ids=lambda c: c.id)
 def test_bad_manifest_is_rejected_naming_the_field(case):
-    with pytest.raises((ManifestError, RenderError, URIError)) as info:
+    with pytest.raises((ManifestError, URIError)) as info:
         render_manifest(case.manifest)
     assert case.message in str(info.value)
 
@@ -54,8 +55,8 @@ def test_async_rollout_renders_with_an_integer_top_p():
 
 def test_an_agent_manifest_renders():
     manifest = minimal_manifest("agent")
-    manifest["spec"]["agent"] = {"environment": "kuberl.agents.calculator:Calculator", "maxTurns": 2,
+    manifest["spec"]["agent"] = {"environment": "kuberl.rollout.agents.calculator:Calculator", "maxTurns": 2,
                                  "maxTokensPerTurn": 12}
     assert "RayJob" in [o["kind"] for o in render_manifest(manifest)]
-    manifest["spec"]["agent"] = {"harness": {"command": ["python", "-m", "kuberl.agents.calculator"]}}
+    manifest["spec"]["agent"] = {"harness": {"command": ["python", "-m", "kuberl.rollout.agents.calculator"]}}
     assert "RayJob" in [o["kind"] for o in render_manifest(manifest)]

@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from kuberl.api.validate import validate_manifest
-from kuberl.plan import PLAN_FILE, read as read_plan
-from kuberl.render import render_manifest
+from kuberl.api.contract import PLAN_FILE
+from kuberl.job.plan import read as read_plan
+from kuberl.job.render import render_manifest
 
 CONFIGS = Path(__file__).parent / "peer_configs"
 REPO = Path(__file__).resolve().parents[3]

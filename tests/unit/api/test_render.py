@@ -14,10 +14,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kuberl import plan as plans
 from kuberl.api.validate import validate_manifest
 from kuberl.cli import main as kuberl_main
-from kuberl.render import render, render_manifest
+from kuberl.job import plan as plans
+from kuberl.job.render import render, render_manifest
 from tests.harness.harness import kuberay_crds
 from tests.unit.api.bad_manifests import minimal_manifest
 
@@ -241,17 +241,50 @@ def test_config_map_holds_the_run_plan_the_ray_job_was_rendered_from(example):
     assert plan == plans.for_cluster(validate_manifest(yaml.safe_load(example.read_text())))
     cluster = objs["RayJob"]["spec"]["rayClusterSpec"]
     groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
-    assert 1 + sum(g["replicas"] for g in groups.values()) == plan.topology.expected_pods
+    assert 1 + sum(g["replicas"] for g in groups.values()) == plan.layout.expected_pods
     for name, group in groups.items():
-        assert _ray_resources(group) == plan.topology.group_resources[name]
+        assert _ray_resources(group) == plan.layout.group_resources[name]
     # GPUs: what the trainer ranks and engines ask Ray for is exactly what the pods have.
     trainer_gpus = int(groups["trainer"]["rayStartParams"]["num-gpus"])
-    engine_gpus = plan.topology.engines * plan.topology.gpus_per_engine
-    assert plan.topology.ranks_per_pod * plan.topology.gpus_per_rank == trainer_gpus
-    if plan.topology.colocated:
+    engine_gpus = plan.layout.engines * plan.layout.gpus_per_engine
+    assert plan.layout.ranks_per_pod * plan.layout.gpus_per_rank == trainer_gpus
+    if plan.layout.colocated:
         assert engine_gpus == 0 and "rollout" not in groups
     else:
-        assert engine_gpus == plan.topology.rollout_pods * int(groups["rollout"]["rayStartParams"]["num-gpus"])
+        assert engine_gpus == plan.layout.rollout_pods * int(groups["rollout"]["rayStartParams"]["num-gpus"])
+
+
+def test_a_plan_written_before_the_process_layout_rename_still_reads():
+    """A running job's ConfigMap may hold a plan.yaml that names the layout ``topology``: the
+    operator reads it for status and restarts, so it must still load, as the same plan."""
+    plan = plans.for_cluster(validate_manifest(minimal_manifest()))
+    written = yaml.safe_load(plan.dump())
+    assert "layout" in written and "topology" not in written
+    written["topology"] = written.pop("layout")
+    assert plans.read(yaml.safe_dump(written)) == plan
+
+
+def test_render_parses_each_uri_of_the_spec_once(monkeypatch):
+    """The spec's URIs arrive typed (kuberl.api.uri.SpecURI): validating the manifest, then rendering
+    every object and the run plan, twice, parses each once, however many containers, mounts and
+    plan paths need it."""
+    import kuberl.api.uri as uris
+
+    manifest = minimal_manifest()
+    manifest["spec"]["model"]["uri"] = "pvc://models/tiny"
+    manifest["spec"]["validation"] = {"uri": "s3://datasets/test.jsonl"}
+    manifest["spec"]["checkpoint"] = {"uri": "pvc://ckpt/run", "resume": "pvc://ckpt/other/step-000000001"}
+    calls = []
+    real = uris.parse
+    monkeypatch.setattr(uris, "parse", lambda uri, field="uri": calls.append((uri, field)) or real(uri, field))
+    job = validate_manifest(manifest)  # checks each URI (uri_errors): the one parse of each
+    render(job, attempt=1)
+    render(job, attempt=2)
+    assert sorted(calls) == sorted([("pvc://models/tiny", "spec.model.uri"),
+                                    ("s3://datasets/train.jsonl", "spec.data.uri"),
+                                    ("s3://datasets/test.jsonl", "spec.validation.uri"),
+                                    ("pvc://ckpt/run", "spec.checkpoint.uri"),
+                                    ("pvc://ckpt/other/step-000000001", "spec.checkpoint.resume")])
 
 
 def test_in_a_ray_job_ranks_and_engines_reserve_their_slot_not_a_cpu():
@@ -260,18 +293,19 @@ def test_in_a_ray_job_ranks_and_engines_reserve_their_slot_not_a_cpu():
     manifest = minimal_manifest()
     manifest["spec"]["trainer"] = {"gpusPerReplica": 0, "processesPerReplica": 2, "resources": {"cpu": "1", "memory": "2Gi"}}
     plan = plans.for_cluster(validate_manifest(manifest))
-    topo = plan.topology
-    advertised = {**topo.group_resources["trainer"], "CPU": 1.0}
-    assert topo.slot_reservation(topo.trainer_resource, advertised) == {"num_cpus": 0, "resources": {topo.trainer_resource: 1}}
-    assert topo.slot_reservation(topo.trainer_resource, {"CPU": 4.0}) == {"num_cpus": 1}
+    layout = plan.layout
+    advertised = {**layout.group_resources["trainer"], "CPU": 1.0}
+    assert layout.slot_reservation(layout.trainer_resource, advertised) == {"num_cpus": 0, "resources": {layout.trainer_resource: 1}}
+    assert layout.slot_reservation(layout.trainer_resource, {"CPU": 4.0}) == {"num_cpus": 1}
     ray_job = _by_kind(render(validate_manifest(manifest)))["RayJob"]
     trainer, = [g for g in ray_job["spec"]["rayClusterSpec"]["workerGroupSpecs"] if g["groupName"] == "trainer"]
-    assert _ray_resources(trainer) == {topo.trainer_resource: 2}
+    assert _ray_resources(trainer) == {layout.trainer_resource: 2}
 
 
 def _source_files() -> str:
     files = [*(REPO / "workloads" / "kuberl").rglob("*.py"), *(REPO / "operator").rglob("*.py")]
-    return "\n".join(p.read_text() for p in files if p.name != "render.py")
+    renderer = REPO / "workloads" / "kuberl" / "job" / "render.py"  # not cli/render.py: the CLI is a reader too
+    return "\n".join(p.read_text() for p in files if p != renderer)
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)

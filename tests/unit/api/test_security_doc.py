@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kuberl.render import render_manifest
+from kuberl.job.render import render_manifest
 from tests.unit.api.bad_manifests import minimal_manifest
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "security.md"

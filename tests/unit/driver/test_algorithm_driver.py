@@ -1,5 +1,5 @@
 """The driver's step under each algorithm: reward shaping, dynamic sampling's refill rounds and
-advantages, on the real GRPODriver with the real tokenizer and data.
+advantages, on the real Driver with the real tokenizer and data.
 
 Engines, trainer and reward workers are recording stand-ins (as in test_colocation.py): the real
 ones are Ray actors and tasks, which the end-to-end tests run (tests/engine/driver/test_grpo_e2e.py,
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from kuberl import plan as plans
-from kuberl.samples import Sample
-from kuberl.train.checkpoint import CheckpointManager
-from kuberl.train.driver import GRPODriver, refill_seed
-from kuberl.train.report import StatusReporter
+from kuberl.common.samples import Sample
+from kuberl.driver.checkpoints import CheckpointManager
+from kuberl.driver.loop import Driver, refill_seed
+from kuberl.driver.report import StatusReporter
+from kuberl.job import plan as plans
 
 RESPONSE = list(range(4, 18))  # 14 tokens: 2 into a 4-token overlong buffer before maxResponseLength 16
 
@@ -61,10 +61,10 @@ class Rewards:
         return rewards
 
 
-def _driver(tmp_path: Path, algorithm: dict, rewards: Rewards) -> tuple[GRPODriver, Engines, Trainer]:
+def _driver(tmp_path: Path, algorithm: dict, rewards: Rewards) -> tuple[Driver, Engines, Trainer]:
     from transformers import AutoTokenizer
 
-    from kuberl.train.__main__ import embedded_job
+    from kuberl.driver.__main__ import embedded_job
 
     job = embedded_job(tmp_path / "tiny")
     spec = job.spec.model_dump(by_alias=True, exclude_none=True, mode="json")
@@ -73,7 +73,7 @@ def _driver(tmp_path: Path, algorithm: dict, rewards: Rewards) -> tuple[GRPODriv
     job = job.model_copy(update={"spec": type(job.spec).model_validate(spec)})
     plan = plans.local(job, tmp_path / "work")
     engines, trainer = Engines(), Trainer()
-    driver = GRPODriver(job, plan, trainer=trainer, engines=engines, weight_sync=Sync(),
+    driver = Driver(job, plan, trainer=trainer, engines=engines, weight_sync=Sync(),
                         tokenizer=AutoTokenizer.from_pretrained(job.spec.model.uri), data_path=job.spec.data.uri,
                         checkpoints=CheckpointManager(plan.checkpoints, plan.resume, trainer=None),
                         reporter=StatusReporter())

@@ -1,4 +1,4 @@
-"""One-step asynchronous rollouts (``algorithm.asyncRollout``) in the real GRPODriver, with the real
+"""One-step asynchronous rollouts (``algorithm.asyncRollout``) in the real Driver, with the real
 tokenizer and data: the next step's rollout is generated beside the trainer's step, the ratio is
 taken against the engines' log-probs, and a resumed run trains on exactly what the uninterrupted
 one did.
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from kuberl import plan as plans
-from kuberl.samples import Sample
-from kuberl.train.driver import EXIT_PREEMPTED, GRPODriver
-from kuberl.train.report import StatusReporter
+from kuberl.common.samples import Sample
+from kuberl.driver.loop import EXIT_PREEMPTED, Driver
+from kuberl.driver.report import StatusReporter
+from kuberl.job import plan as plans
 
 STEPS = 3
 
@@ -55,7 +55,7 @@ class Engines:
 class Trainer:
     def __init__(self, engines: Engines):
         self.engines = engines
-        self.driver: GRPODriver | None = None
+        self.driver: Driver | None = None
         self.batches = []
         self.overlapped: list[bool] = []
 
@@ -117,17 +117,17 @@ class Checkpoints:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     """The tiny model and task, made once for the module's drivers."""
-    from kuberl.train.__main__ import embedded_job
+    from kuberl.driver.__main__ import embedded_job
 
     root = tmp_path_factory.mktemp("tiny")
     embedded_job(root)
     return root
 
 
-def _driver(tiny: Path, tmp_path: Path, checkpoints: Checkpoints, **algorithm) -> GRPODriver:
+def _driver(tiny: Path, tmp_path: Path, checkpoints: Checkpoints, **algorithm) -> Driver:
     from transformers import AutoTokenizer
 
-    from kuberl.train.__main__ import embedded_job
+    from kuberl.driver.__main__ import embedded_job
 
     job = embedded_job(tiny)
     spec = job.spec.model_dump(by_alias=True, exclude_none=True, mode="json")
@@ -137,7 +137,7 @@ def _driver(tiny: Path, tmp_path: Path, checkpoints: Checkpoints, **algorithm) -
     job = job.model_copy(update={"spec": type(job.spec).model_validate(spec)})
     plan = plans.local(job, tmp_path / "work")
     engines = Engines()
-    driver = GRPODriver(job, plan, trainer=Trainer(engines), engines=engines, weight_sync=Sync(engines),
+    driver = Driver(job, plan, trainer=Trainer(engines), engines=engines, weight_sync=Sync(engines),
                         tokenizer=AutoTokenizer.from_pretrained(job.spec.model.uri), data_path=job.spec.data.uri,
                         checkpoints=checkpoints, reporter=StatusReporter())
     driver.reward_fn = rewards

@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from kuberl.api.types import RewardSpec, RLTrainingJobSpec
-from kuberl.train.data import (DataError, PromptStream, check_prompt_lengths, load_for_spec, load_prompts,
+from kuberl.driver.data import (DataError, PromptStream, check_prompt_lengths, load_for_spec, load_prompts,
                               steps_for_epochs)
-from kuberl.train.rewards import (MAX_ABS_REWARD, RewardError, RewardInput, gsm8k_flexible, gsm8k_strict, load_reward,
-                                  repeat_letter, score)
+from kuberl.common.reward_values import MAX_ABS_REWARD, RewardError
+from kuberl.driver.rewards import RewardInput, gsm8k_flexible, gsm8k_strict, load_reward, repeat_letter, score
 
 
 def _jsonl(path, rows):
@@ -84,12 +84,12 @@ def test_repeat_letter():
 
 
 def test_reward_function_by_import_path():
-    fn = load_reward(RewardSpec(function="kuberl.train.rewards:repeat_letter"))
+    fn = load_reward(RewardSpec(function="kuberl.driver.rewards:repeat_letter"))
     assert fn is repeat_letter
     with pytest.raises(RewardError, match="cannot import 'no.such.module'"):
         load_reward(RewardSpec(function="no.such.module:fn"))
     with pytest.raises(RewardError, match="has no function 'nope'"):
-        load_reward(RewardSpec(function="kuberl.train.rewards:nope"))
+        load_reward(RewardSpec(function="kuberl.driver.rewards:nope"))
 
 
 @pytest.mark.parametrize("returned,needle", [
@@ -323,7 +323,7 @@ def test_rows_without_an_answer_are_counted_not_refused(tmp_path, caplog):
 def test_answerless_data_passes_when_no_builtin_reward_scores_answers(tmp_path):
     """A job's own reward function (or agent) may not need answers: the default field may be absent."""
     path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "q"}])
-    result = _check_data(tmp_path, path, reward={"function": "kuberl.train.rewards:repeat_letter"})
+    result = _check_data(tmp_path, path, reward={"function": "kuberl.driver.rewards:repeat_letter"})
     assert result.returncode == 0, result.stderr
     assert "1 of 1 rows have no field 'answer'" in result.stderr
 

@@ -109,7 +109,7 @@ def test_missing_remote_code_fails_loudly(tmp_path):
 
 
 def test_plain_model_needs_no_remote_code(tmp_path):
-    from kuberl.tiny import make_model
+    from kuberl.driver.tiny import make_model
 
     source = make_model(tmp_path / "tiny")
     (tmp_path / "export").mkdir()
@@ -130,7 +130,7 @@ def _export(model, source, tmp_path, out_dir, *, trust_remote_code: bool) -> str
 def test_export_without_trust_remote_code_copies_no_python_and_does_not_fail(tmp_path):
     """The stager left the .py files out (trustRemoteCode is off), but config.json still carries
     the repository's auto_map: the export must neither fail after the last step nor copy code."""
-    from kuberl.tiny import make_model
+    from kuberl.driver.tiny import make_model
 
     source = make_model(tmp_path / "staged")
     config = json.loads((source / "config.json").read_text())

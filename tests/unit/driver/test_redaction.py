@@ -1,7 +1,7 @@
 """Which values ``redact_secrets`` takes out of user error text before it reaches the job's status
 (pure; the real path to the API server is tests/cluster/driver/test_report.py)."""
 
-from kuberl.train.report import REDACTED, redact_secrets
+from kuberl.driver.report import REDACTED, redact_secrets
 
 ENV = {
     # The keys the API docs name for each credentials Secret.

@@ -1,7 +1,7 @@
 """Outside Kubernetes the driver's reporter only logs; its patches of the real API server:
 tests/cluster/driver/test_report.py."""
 
-from kuberl.train.report import StatusReporter, reporter_from_env
+from kuberl.driver.report import StatusReporter, reporter_from_env
 
 
 def test_outside_kubernetes_the_reporter_only_logs(tmp_path):

@@ -8,11 +8,12 @@ import sys
 import pytest
 import yaml
 
-from kuberl import plan as plans
-from kuberl.agents.environment import AgentError, load_environment
 from kuberl.api.types import RewardSpec
 from kuberl.api.validate import validate_manifest
-from kuberl.train.rewards import RewardError, load_reward
+from kuberl.common.reward_values import RewardError
+from kuberl.driver.rewards import load_reward
+from kuberl.job import plan as plans
+from kuberl.rollout.agents.environment import AgentError, load_environment
 from tests.unit.api.bad_manifests import minimal_manifest
 
 
@@ -40,9 +41,9 @@ def test_reward_functions_and_environments_load_by_import_path(user_modules):
     # The module's own AttributeError is its failure, not a missing name.
     with pytest.raises(RewardError, match=r"importing 'broken_rewards' failed: AttributeError: .*no_such_thing"):
         load_reward(RewardSpec(function="broken_rewards:score"))
-    with pytest.raises(AgentError, match=r"spec.agent.environment: kuberl.agents.calculator:evaluate is a "
+    with pytest.raises(AgentError, match=r"spec.agent.environment: kuberl.rollout.agents.calculator:evaluate is a "
                                          r"function, not a class"):
-        load_environment("kuberl.agents.calculator:evaluate")
+        load_environment("kuberl.rollout.agents.calculator:evaluate")
 
 
 def _config(tmp_path, spec: dict) -> str:
@@ -55,8 +56,8 @@ def _config(tmp_path, spec: dict) -> str:
 
 @pytest.mark.parametrize("spec,needle", [
     ({"agent": {"environment": "no_such_envs:Env"}}, "spec.agent.environment: cannot import 'no_such_envs'"),
-    ({"agent": {"environment": "kuberl.agents.calculator:Calculater"}},
-     "spec.agent.environment: 'kuberl.agents.calculator' has no class 'Calculater'"),
+    ({"agent": {"environment": "kuberl.rollout.agents.calculator:Calculater"}},
+     "spec.agent.environment: 'kuberl.rollout.agents.calculator' has no class 'Calculater'"),
     ({"reward": {"function": "no_such_rewards:score"}}, "spec.reward.function: cannot import 'no_such_rewards'"),
 ])
 def test_check_data_refuses_code_that_cannot_be_loaded_before_ray_starts(tmp_path, capsys, spec, needle):
@@ -88,8 +89,9 @@ def _ray_running() -> bool:
 
 
 def test_kuberl_train_reports_a_missing_environment_class_before_ray_engines_or_trainers(tmp_path, monkeypatch):
-    from kuberl.train import __main__ as train
-    from kuberl.train import group, report
+    from kuberl.driver import __main__ as train
+    from kuberl.driver import report
+    from kuberl.train import group
 
     if _ray_running():
         pytest.skip("Ray already runs in this process; the check is that this run starts none")

@@ -1,10 +1,10 @@
-"""When validation runs and what pass@n means (the pure parts of ``kuberl.train.validation``; the
+"""When validation runs and what pass@n means (the pure parts of ``kuberl.driver.validation``; the
 end-to-end run with a real engine is tests/engine/driver/test_peers_e2e.py)."""
 
 from __future__ import annotations
 
 from kuberl.api.types import ValidationSpec
-from kuberl.train.validation import Validator, pass_at_n
+from kuberl.driver.validation import Validator, pass_at_n
 
 
 def _validator(**spec) -> Validator:

@@ -56,8 +56,8 @@ def test_final_stage_runs_as_numeric_non_root_user_with_a_command(dockerfile):
     assert users, f"{dockerfile}: the final stage sets no USER (it would run as root)"
     user = users[-1].args.split(":")[0]
     assert user.isdigit() and int(user) != 0, f"{dockerfile}: USER {users[-1].args} must be a numeric non-root uid"
-    # Pods run as kuberl.render.RUN_AS_USER / the chart's runAsUser.
-    from kuberl.render import RUN_AS_USER
+    # Pods run as kuberl.api.contract.RUN_AS_USER / the chart's runAsUser.
+    from kuberl.api.contract import RUN_AS_USER
     assert int(user) == RUN_AS_USER
     assert final.all("ENTRYPOINT") or final.all("CMD"), f"{dockerfile}: no ENTRYPOINT or CMD"
     # Every RUN (installs, the baked model) happens as root before the switch, so nothing the
@@ -139,7 +139,7 @@ def test_each_image_installs_only_its_extra():
 
 @pytest.mark.parametrize("name", ["worker", "worker-cpu"])
 def test_worker_images_bake_the_tiny_model_the_example_uses(name):
-    assert "python -m kuberl.tiny /opt/kuberl/tiny" in installs(IMAGES / name / "Dockerfile")
+    assert "python -m kuberl.driver.tiny /opt/kuberl/tiny" in installs(IMAGES / name / "Dockerfile")
     example = yaml.safe_load((REPO_ROOT / "examples" / "grpo-tiny-cpu.yaml").read_text())
     assert example["spec"]["model"]["uri"].startswith("/opt/kuberl/tiny/")
     assert "wget" in installs(IMAGES / name / "Dockerfile"), "KubeRay's probes run wget in Ray containers"
@@ -206,7 +206,7 @@ def test_build_stage_copies_are_enough_to_build_the_wheel_with_the_extras(tmp_pa
         names = archive.namelist()
         metadata = email.message_from_bytes(archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))))
         entry_points = archive.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
-    assert "kuberl/metrics.py" in names and "kuberl_operator/__main__.py" in names and "kuberl/tiny.py" in names
+    assert "kuberl/common/metrics.py" in names and "kuberl_operator/__main__.py" in names and "kuberl/driver/tiny.py" in names
     assert "kuberl-operator = kuberl_operator.__main__:main" in entry_points
     assert "kuberl = kuberl.cli:main" in entry_points
     assert {"operator", "storage", "train", "cpu"} <= set(metadata.get_all("Provides-Extra"))

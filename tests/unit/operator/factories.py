@@ -10,7 +10,7 @@ import yaml
 
 from kuberl.api.types import RLTrainingJobStatus
 from kuberl.api.validate import validate_manifest
-from kuberl.render import ATTEMPT_ANNOTATION
+from kuberl.api.contract import ATTEMPT_ANNOTATION
 from kuberl_operator.observed import Observed
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"

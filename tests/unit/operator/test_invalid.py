@@ -67,3 +67,18 @@ def test_a_job_failed_for_its_spec_is_left_alone_on_every_later_reconcile():
     again = checked_plan(failed, observed, NOW, Settings())
     assert again.events == [] and not again.apply and not again.delete_ray_jobs
     assert again.status["phase"] == "Failed" and again.status["message"] == first.status["message"]
+
+
+def test_wandb_online_without_a_secret_fails_the_job_up_front_naming_the_field():
+    """What only a pod needs (kuberl.api.validate.pod_errors) is judged with the other problems,
+    before anything is observed or rendered, not left to the renderer to raise."""
+    manifest = job().model_dump(mode="json", by_alias=True, exclude_none=True)
+    manifest["spec"]["tracking"] = {"wandb": {"project": "p", "mode": "online"}}
+    bad = t.RLTrainingJob.model_validate(manifest)
+
+    def never():
+        raise AssertionError("an invalid job is not observed or rendered")
+
+    plan = checked_plan(bad, never, NOW, Settings())
+    assert plan.status["phase"] == "Failed"
+    assert plan.status["message"].startswith("the job cannot run as written: spec.tracking.wandb.credentials:")

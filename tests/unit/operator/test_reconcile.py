@@ -6,8 +6,9 @@ from datetime import timedelta
 
 import yaml
 
-from kuberl import plan as plans
-from kuberl.render import ATTEMPT_ANNOTATION, CONFIG_FILE, render
+from kuberl.job import plan as plans
+from kuberl.api.contract import ATTEMPT_ANNOTATION, CONFIG_FILE, PLAN_FILE
+from kuberl.job.render import render
 from kuberl_operator.reconcile import Settings, backoff_seconds, current_attempt, desired_objects, next_action
 from tests.unit.operator.factories import NOW, job, observed, ray_job
 
@@ -36,7 +37,7 @@ def test_a_reconcile_builds_the_run_plan_once(monkeypatch):
     monkeypatch.setattr(plans, "for_cluster", lambda *a, **kw: built.append(a) or for_cluster(*a, **kw))
     plan = next_action(job(), observed(), NOW, SETTINGS)
     assert len(built) == 1
-    assert plans.read(plan.apply[3]["data"][plans.PLAN_FILE]) == for_cluster(job(), 0)
+    assert plans.read(plan.apply[3]["data"][PLAN_FILE]) == for_cluster(job(), 0)
 
 
 def test_existing_rayjob_is_adopted_not_recreated():
@@ -58,7 +59,7 @@ def test_failure_waits_for_backoff_then_restarts_from_last_checkpoint():
     assert rayjob["metadata"]["name"] == "tiny-r1" and rayjob["metadata"]["annotations"][ATTEMPT_ANNOTATION] == "1"
     config = yaml.safe_load(plan.apply[3]["data"][CONFIG_FILE])
     assert config["metadata"]["annotations"][ATTEMPT_ANNOTATION] == "1"
-    run_plan = plans.read(plan.apply[3]["data"][plans.PLAN_FILE])
+    run_plan = plans.read(plan.apply[3]["data"][PLAN_FILE])
     assert run_plan.attempt == 1 and run_plan.resume == plans.Resume(newest_under=ROOT)
     assert plan.delete_ray_jobs == ["tiny"]
     assert any(e.reason == "Restarting" for e in plan.events)
@@ -189,5 +190,5 @@ def test_status_written_by_the_workload_never_steers_the_restart():
         assert [o["kind"] for o in plan.apply][-1] == "RayJob", uri
         rendered = yaml.safe_dump(plan.apply)
         assert "someone-elses-claim" not in rendered and "other-bucket" not in rendered and "not a uri" not in rendered
-        run_plan = plans.read(plan.apply[3]["data"][plans.PLAN_FILE])
+        run_plan = plans.read(plan.apply[3]["data"][PLAN_FILE])
         assert run_plan.resume == plans.Resume(newest_under=ROOT)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from kuberl import plan as plans
+from kuberl.job import plan as plans
 from kuberl_operator.status import compute_status, status_changed
 from tests.unit.operator.factories import NOW, job, pod, ray_cluster, ray_job
 

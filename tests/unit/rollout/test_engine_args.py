@@ -7,8 +7,8 @@ from __future__ import annotations
 def test_cpu_engines_prefill_whole_prompts_because_seeded_requests_cannot_be_chunked(tmp_path):
     """vLLM rewinds a seeded request's generator after a chunked prefill step with set_offset,
     which a CPU generator refuses; every kuberl request is seeded."""
+    from kuberl.driver.__main__ import embedded_job
     from kuberl.rollout.engine import engine_kwargs
-    from kuberl.train.__main__ import embedded_job
 
     spec = embedded_job(tmp_path / "tiny").spec
     args = engine_kwargs(spec, str(tmp_path / "tiny" / "model"), "tiny", engine_index=0, on_cpu=True)

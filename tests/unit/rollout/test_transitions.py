@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kuberl.common.samples import SampleError
 from kuberl.rollout.transitions import Transition, episode_to_sample, transitions_to_samples
-from kuberl.samples import SampleError
 
 
 def test_single_turn_keeps_tokens_and_logprobs():

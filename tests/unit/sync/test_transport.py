@@ -152,3 +152,19 @@ def test_make_weight_sync_rejects_unknown_method():
     spec = SimpleNamespace(weight_sync=SimpleNamespace(method="carrier-pigeon", bucket_size_mb=1))
     with pytest.raises(ValueError, match="weightSync.method"):
         make_weight_sync(spec, None, None)
+
+
+def test_transports_share_one_setup_and_refuse_sync_before_it():
+    """The snapshot and ipc transports add nothing to the shared setup (engine dtype, parameter
+    metadata); nccl extends it. Before it ran, every transport's sync names the missing call."""
+    from kuberl.api import RLTrainingJobSpec
+    from kuberl.sync import METHODS, IpcWeightSync, SnapshotWeightSync, WeightSync
+
+    spec = RLTrainingJobSpec.model_validate({
+        "image": "kuberl/worker:test", "model": {"uri": "/models/m"}, "data": {"uri": "/data/p.jsonl"},
+        "trainer": {"gpusPerReplica": 0}, "rollout": {"gpusPerReplica": 0}})
+    assert SnapshotWeightSync.setup is WeightSync.setup and IpcWeightSync.setup is WeightSync.setup
+    assert METHODS["checkpoint"] is SnapshotWeightSync  # the API's value, kept for users' manifests
+    for transport in METHODS.values():
+        with pytest.raises(RuntimeError, match=rf"{transport.__name__}\.setup\(\) must run before sync"):
+            transport(spec, trainer_group=None, engine_pool=None).sync(1)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kuberl.api.types import RLTrainingJobSpec
-from kuberl.samples import Sample, TrainBatch
+from kuberl.common.samples import Sample, TrainBatch
 
 ADVANTAGES = [1.0, -0.5, 2.0, -1.5]
 LENGTHS = [3, 5, 2, 6]

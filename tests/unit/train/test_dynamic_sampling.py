@@ -1,4 +1,4 @@
-"""Dynamic sampling (``kuberl.train.algorithms.sampling``): filter, refill rounds, and what
+"""Dynamic sampling (``kuberl.driver.sampling``): filter, refill rounds, and what
 happens when the rounds run out. Groups here are lists of rewards; generation is a stand-in
 callable that records what it was asked for (the pure function under test takes any)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from kuberl.driver.sampling import fill_groups, refill_request
 from kuberl.train.algorithms import registry
-from kuberl.train.algorithms.sampling import fill_groups, refill_request
 
 KEEP = registry.get("dapo").keep_group
 

@@ -9,7 +9,7 @@ import socket
 import pytest
 import torch
 
-from kuberl.samples import Sample, TrainBatch
+from kuberl.common.samples import Sample, TrainBatch
 from kuberl.train.logprobs import chunked_logprobs_entropy, full_logprobs_entropy
 from kuberl.train.packing import split_by_tokens
 

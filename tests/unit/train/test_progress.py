@@ -1,4 +1,4 @@
-"""What a local `kuberl train` shows on its console (kuberl.train.progress): pure, no Ray or vLLM."""
+"""What a local `kuberl train` shows on its console (kuberl.driver.progress): pure, no Ray or vLLM."""
 
 import io
 import logging
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kuberl.train import progress
+from kuberl.driver import progress
 
 
 @pytest.mark.parametrize(("seconds", "shown"), [

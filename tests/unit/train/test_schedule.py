@@ -1,4 +1,4 @@
-"""The step schedule (kuberl.train.schedule) driven by stand-in engines and a stand-in trainer.
+"""The step schedule (kuberl.driver.schedule) driven by stand-in engines and a stand-in trainer.
 
 The stand-ins replace the vLLM engines and the FSDP trainer ranks, which are Ray actors that this
 unit test cannot start (tests/engine/driver/test_async_e2e.py runs the real ones). They keep only what
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kuberl.train.schedule import Generate, Sync, Train, Wait, step_actions
+from kuberl.driver.schedule import Generate, Sync, Train, Wait, step_actions
 
 
 def _hash(*parts: object) -> str:

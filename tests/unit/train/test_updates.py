@@ -1,4 +1,4 @@
-"""Mini-batch policy updates (``kuberl.train.updates``) on a real one-rank FSDP2 trainer: the
+"""Mini-batch policy updates (``kuberl.driver.updates``) on a real one-rank FSDP2 trainer: the
 behaviour policy's log-probs are taken once, before the first update, so from the second update on
 the importance ratio leaves 1 and the PPO clip binds; with one update it cannot."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kuberl.api.types import AlgorithmSpec
-from kuberl.samples import Sample, TrainBatch
-from kuberl.tiny import make_model
-from kuberl.train.updates import merge_update_metrics, mini_batches, policy_updates
+from kuberl.common.samples import Sample, TrainBatch
+from kuberl.driver.tiny import make_model
+from kuberl.driver.updates import merge_update_metrics, mini_batches, policy_updates
 
 
 def _batch(prompts=4, group_size=4, seed=0) -> TrainBatch:

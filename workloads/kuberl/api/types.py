@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
-from kuberl.uri import (CHECKPOINT_URI_PATTERN, DOT_SEGMENT_VIOLATION, MAX_REVISION_LENGTH,
-                        REVISION_IN_URI_VIOLATION, REVISION_RULES_TEXT, REVISION_VIOLATION, URI_PATTERN)
+from kuberl.api.uri import (CHECKPOINT_URI_PATTERN, DOT_SEGMENT_VIOLATION, MAX_REVISION_LENGTH,
+                        REVISION_IN_URI_VIOLATION, REVISION_RULES_TEXT, REVISION_VIOLATION, URI_PATTERN, SpecURI)
 
 GROUP = "kuberl.dev"
 VERSION = "v1alpha1"
@@ -59,8 +59,16 @@ class APIModel(BaseModel):
     )
 
 
-def uri_field(description: str, **kw: Any) -> Any:
-    return Field(pattern=URI_PATTERN, max_length=2048, description=description, **kw)
+def uri_type(field: str, pattern: str = URI_PATTERN) -> Any:
+    """A URI field (``field`` is its path, for error messages): a string in the schema, a
+    ``kuberl.api.uri.SpecURI`` in Python, which parses it once, on first use (``.parsed``)."""
+    return Annotated[str, Field(pattern=pattern, max_length=2048), AfterValidator(lambda v: SpecURI(v, field))]
+
+
+def resume_type() -> Any:
+    """``checkpoint.resume``: auto, never, or the URI of one checkpoint (a ``SpecURI``)."""
+    return Annotated[str, Field(min_length=1, max_length=2048),
+                     AfterValidator(lambda v: v if v in ("auto", "never") else SpecURI(v, "spec.checkpoint.resume"))]
 
 
 def dot_segment_rule(field: str, optional: bool = False) -> dict:
@@ -129,8 +137,9 @@ class ModelSpec(APIModel):
         rule(f"!has(self.revision) || !self.revision.matches(r'{REVISION_VIOLATION}')",
              f"model.revision must be {REVISION_RULES_TEXT}", ".revision"),
     ))
-    uri: str = uri_field("Where the model is: s3://bucket/prefix, gs://bucket/prefix, hf://org/name, "
-                         "a Hugging Face id (org/name), pvc://claim/path, or an absolute path in the image.")
+    uri: uri_type("spec.model.uri") = Field(
+        description="Where the model is: s3://bucket/prefix, gs://bucket/prefix, hf://org/name, "
+                    "a Hugging Face id (org/name), pvc://claim/path, or an absolute path in the image.")
     revision: str | None = Field(None, min_length=1, max_length=MAX_REVISION_LENGTH,
                                  description="Hugging Face revision (branch, tag or commit) for hf:// and Hub "
                                              "ids, as git allows it (no '..', spaces, ~ ^ : ? * [ \\ and so on).")
@@ -151,7 +160,8 @@ class DataSpec(APIModel):
              "data.promptTemplate must contain {prompt} (where the row's prompt text goes)",
              ".promptTemplate"),
     ))
-    uri: str = uri_field("Training prompts: a .jsonl or .parquet file (or a prefix of them), local or cloud.")
+    uri: uri_type("spec.data.uri") = Field(
+        description="Training prompts: a .jsonl or .parquet file (or a prefix of them), local or cloud.")
     format: Literal["auto", "jsonl", "parquet"] = Field("auto", description="File format; auto uses the extension.")
     prompt_field: str = Field("prompt", min_length=1, max_length=256, pattern=FIELD_PATH_PATTERN,
                               description="Field holding the prompt: a string, or a chat-message list "
@@ -194,7 +204,7 @@ class RewardSpec(APIModel):
                           "the share of response characters equal to the answer letter).")
     function: RewardFunctionPath | None = Field(
         None, description="An importable batch reward function, module.path:function, called with a list "
-                    "of kuberl.train.rewards.RewardInput (prompt, response, answer, data_source, "
+                    "of kuberl.driver.rewards.RewardInput (prompt, response, answer, data_source, "
                     "extra_info, token lengths) and returning one float per input (docs/rewards.md).")
     workers: int = Field(1, ge=1, le=1024, description="Parallel reward workers (Ray tasks); the step's "
                          "samples are split evenly among them.")
@@ -204,7 +214,7 @@ class RewardSpec(APIModel):
                                  "fails (docs/rewards.md).")
 
 
-EnvironmentClassPath = import_path_type("agent.environment", "Class", "kuberl.agents.calculator:Calculator")
+EnvironmentClassPath = import_path_type("agent.environment", "Class", "kuberl.rollout.agents.calculator:Calculator")
 
 
 class AgentHarnessSpec(APIModel):
@@ -230,7 +240,7 @@ class AgentSpec(APIModel):
                     "reset(task) -> the chat to start from and step(reply) -> Step(observation, "
                     "reward, done), the gymnasium / skyrl-gym shape; made once per episode. Its "
                     "rewards, summed over the episode, replace spec.reward. Embedded: "
-                    "kuberl.agents.calculator:Calculator (a two-turn tool-use toy task).")
+                    "kuberl.rollout.agents.calculator:Calculator (a two-turn tool-use toy task).")
     harness: AgentHarnessSpec | None = Field(None, description="An agent program that talks to the "
                                              "endpoint's Anthropic or OpenAI API itself and returns a reward.")
     max_turns: int = Field(8, ge=1, le=1024, description="environment: model replies per episode at most; "
@@ -483,13 +493,12 @@ class CheckpointSpec(APIModel):
              "checkpoint.exportIntervalSteps needs checkpoint.exportHuggingFace: true",
              ".exportIntervalSteps"),
     ))
-    uri: str | None = Field(None, pattern=CHECKPOINT_URI_PATTERN, max_length=2048,
-                            description="Where checkpoints go: s3://, gs://, pvc://claim/path or an absolute path.")
+    uri: uri_type("spec.checkpoint.uri", CHECKPOINT_URI_PATTERN) | None = Field(
+        None, description="Where checkpoints go: s3://, gs://, pvc://claim/path or an absolute path.")
     interval_steps: int = Field(50, ge=1, le=MAX_STEPS, description="Save every this many steps.")
     keep: int = Field(3, ge=1, le=1000, description="Newest complete checkpoints to keep.")
-    resume: str = Field("auto", min_length=1, max_length=2048,
-                        description="auto: newest complete checkpoint under uri if any; never: start "
-                                    "fresh; or the URI of one checkpoint.")
+    resume: resume_type() = Field("auto", description="auto: newest complete checkpoint under uri if any; "
+                                  "never: start fresh; or the URI of one checkpoint.")
     export_hugging_face: bool = Field(False, description="Also export a Hugging Face model "
                                       "(safetensors + config + tokenizer + remote-code files) at the end.")
     format: Literal["dcp", "tar"] = Field("dcp", description="dcp: torch.distributed.checkpoint files; "
@@ -508,7 +517,8 @@ class ValidationSpec(APIModel):
 
     model_config = ConfigDict(json_schema_extra=_rules(dot_segment_rule("uri"), revision_in_uri_rule("uri")))
 
-    uri: str = uri_field("Validation prompts: a .jsonl or .parquet file (or a prefix of them).")
+    uri: uri_type("spec.validation.uri") = Field(
+        description="Validation prompts: a .jsonl or .parquet file (or a prefix of them).")
     interval_steps: int = Field(10, ge=1, le=MAX_STEPS, description="Validate every this many steps (and after the last).")
     before_training: bool = Field(True, description="Validate once before the first step (step 0).")
     n: int = Field(1, ge=1, le=1024, description="Samples per prompt; when > 1, pass@n is reported too.")

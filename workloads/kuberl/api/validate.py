@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from kuberl.api.crd import openapi_schema
 from kuberl.api.types import RLTrainingJob
-from kuberl.uri import URIError, parse, revision_problem
+from kuberl.api.uri import URIError, revision_problem
 
 
 class ManifestError(ValueError):
@@ -143,19 +143,28 @@ def uri_errors(job: RLTrainingJob) -> list[str]:
     (or under a CRD that lacks them), so that such a job fails with the field named instead of
     wedging its reconcile."""
     spec = job.spec
-    named = {"spec.model.uri": spec.model.uri, "spec.data.uri": spec.data.uri,
-             "spec.checkpoint.uri": spec.checkpoint.uri,
-             "spec.validation.uri": spec.validation.uri if spec.validation else None}
+    named = [spec.model.uri, spec.data.uri, spec.checkpoint.uri, spec.validation.uri if spec.validation else None]
     if spec.checkpoint.resume not in ("auto", "never"):
-        named["spec.checkpoint.resume"] = spec.checkpoint.resume
+        named.append(spec.checkpoint.resume)
     errors = []
-    for field, value in named.items():
-        if value is None:
+    for uri in named:
+        if uri is None:
             continue
         try:
-            parse(value, field)
+            uri.parsed  # a SpecURI (kuberl.api.types.uri_type): parsed once, naming its field
         except URIError as exc:
             errors.append(str(exc))
     if spec.model.revision is not None and (problem := revision_problem(spec.model.revision)):
         errors.append(f"spec.model.revision: {spec.model.revision!r} {problem}")
     return errors
+
+
+def pod_errors(job: RLTrainingJob) -> list[str]:
+    """What the schema leaves to the renderer because a local ``kuberl train`` may do without it:
+    in a pod, the Secret the spec names is the only way in (locally, ``wandb login`` is)."""
+    wandb = job.spec.tracking.wandb
+    if wandb is not None and wandb.mode == "online" and wandb.credentials is None:
+        return ["spec.tracking.wandb.credentials: mode online needs a Secret with WANDB_API_KEY, which the head "
+                "pod logs in with; set credentials: {name: <secret>}, or mode: offline to write the run for a "
+                "later `wandb sync`"]
+    return []

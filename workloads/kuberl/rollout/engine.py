@@ -15,8 +15,8 @@ import logging
 import os
 import uuid
 
-from kuberl.plan import Paths
-from kuberl.samples import Sample
+from kuberl.common.samples import Sample
+from kuberl.job.plan import Paths
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,18 @@ def batch_usage_context():
     from vllm.usage.usage_lib import UsageContext
 
     return UsageContext.LLM_CLASS
+
+
+def vllm_client_errors() -> tuple[type[Exception], ...]:
+    """The exceptions vLLM raises for a request's own faults (a token id out of vocabulary, bad
+    sampling parameters). Newer vLLM (0.32 here) gathers them under ``VLLMClientError``; 0.26, the
+    GPU image's, has no such base and raises plain ``ValueError`` or ``TypeError`` (its own OpenAI
+    server answers every ``ValueError`` with a 400 likewise)."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError, TypeError)
+    return (VLLMClientError,)
 
 
 class RequestRefused(ValueError):
@@ -141,7 +153,7 @@ class RolloutEngine:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from kuberl.metrics import start_pod_exporter
+        from kuberl.common.metrics import start_pod_exporter
         from kuberl.storage import resolve
 
         start_pod_exporter("rollout", engine_index)
@@ -217,22 +229,21 @@ class RolloutEngine:
                        top_p: float = 1.0, top_k: int = -1, max_tokens: int = 16, stop: list[str] | None = None,
                        seed: int | None = None, logprobs: bool = False) -> list[Sample]:
         """One request of the HTTP endpoint (already tokenized and validated there). What vLLM's
-        own checks refuse all the same is raised as ``RequestRefused``: vLLM raises its
-        ``VLLMValidationError`` (no ``ValueError``), and ``SamplingParams`` also ``ValueError`` or
-        ``TypeError``. Its other errors (``EngineGenerateError``, ``EngineDeadError``) are the
+        own checks refuse all the same is raised as ``RequestRefused``: vLLM raises its client errors
+        (``vllm_client_errors``), and ``SamplingParams`` also ``ValueError`` or ``TypeError``. Its
+        other errors (``EngineGenerateError``, ``EngineDeadError``) are the
         engine's and pass through."""
         from vllm import SamplingParams
-        from vllm.exceptions import VLLMClientError
 
         self._check_prompt(prompt_ids, max_tokens, "prompt")
         try:
             params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                     stop=stop or None, seed=seed, logprobs=0 if logprobs else None)
-        except (ValueError, TypeError, VLLMClientError) as err:
+        except (ValueError, TypeError, *vllm_client_errors()) as err:
             raise RequestRefused("sampling parameters", str(err)) from None
         try:
             return await self._one(prompt_ids, params, 0, token_text=logprobs)
-        except VLLMClientError as err:  # the engine's input checks, e.g. a token id out of vocabulary
+        except vllm_client_errors() as err:  # the engine's input checks, e.g. a token id out of vocabulary
             raise RequestRefused("prompt", str(err)) from None
 
     async def score(self, sequences: list[list[int]]) -> list[list[float]]:

@@ -10,8 +10,8 @@ import logging
 
 import ray
 
-from kuberl.plan import RunPlan
-from kuberl.samples import Sample
+from kuberl.common.samples import Sample
+from kuberl.job.plan import RunPlan
 
 logger = logging.getLogger(__name__)
 
@@ -41,20 +41,20 @@ class EnginePool:
 
         self.spec = spec
         self.served_model_name = served_model_name
-        topo = plan.topology
-        self.colocated = topo.colocated
-        count = num_engines if num_engines is not None else topo.engines
+        layout = plan.layout
+        self.colocated = layout.colocated
+        count = num_engines if num_engines is not None else layout.engines
         if count < 1:
             raise ValueError(f"num_engines must be at least 1, got {count}")
-        options = {"num_gpus": topo.gpus_per_engine, "max_concurrency": 1000,
-                   **topo.slot_reservation(topo.rollout_resource, ray.cluster_resources())}
+        options = {"num_gpus": layout.gpus_per_engine, "max_concurrency": 1000,
+                   **layout.slot_reservation(layout.rollout_resource, ray.cluster_resources())}
         if spec.rollout.env:
             options["runtime_env"] = {"env_vars": dict(spec.rollout.env)}
         placements: list[tuple[str | None, list[str] | None]] = [(None, None)] * count
-        if topo.colocated and topo.gpus_per_rank:
-            placements = colocated_devices(gpu_slots or [], topo.tensor_parallel_size)[:count]
+        if layout.colocated and layout.gpus_per_rank:
+            placements = colocated_devices(gpu_slots or [], layout.tensor_parallel_size)[:count]
             if len(placements) < count:
-                raise ValueError(f"{count} colocated engines need {count * topo.tensor_parallel_size} "
+                raise ValueError(f"{count} colocated engines need {count * layout.tensor_parallel_size} "
                                  f"trainer GPUs; the trainer ranks hold {len(gpu_slots or [])}")
         actor_cls = ray.remote(RolloutEngine)
         self.engines = []

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kuberl.samples import Sample, SampleError
+from kuberl.common.samples import Sample, SampleError
 
 
 @dataclass

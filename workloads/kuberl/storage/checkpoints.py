@@ -23,7 +23,7 @@ from pathlib import Path
 from kuberl.storage import filesystems
 from kuberl.storage.errors import StorageError, with_retries
 from kuberl.storage.upload import upload_dir
-from kuberl.uri import ParsedURI, parse
+from kuberl.api.uri import ParsedURI, parse
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"

@@ -34,7 +34,7 @@ from kuberl.storage.errors import StorageError, explain, with_retries
 from kuberl.storage.manifest import FileRecord
 from kuberl.storage.progress import Progress, log
 from kuberl.storage.safepath import PART_SUFFIX, checked_relpath, target_path
-from kuberl.uri import ParsedURI
+from kuberl.api.uri import ParsedURI
 
 _HASH_BLOCK = 8 << 20
 # What one worker holds in memory at a time: one streamed block of a range.

@@ -17,15 +17,14 @@ from pathlib import Path
 
 import fsspec
 
+from kuberl.api.contract import PVC_ROOT, PVC_ROOT_ENV
 from kuberl.storage.errors import StorageError
-from kuberl.uri import ParsedURI
-
-DEFAULT_PVC_ROOT = "/mnt/pvc"
+from kuberl.api.uri import ParsedURI
 
 
 def pvc_root() -> Path:
     """Where pvc://<claim>/... volumes are mounted (env ``KUBERL_PVC_ROOT`` overrides)."""
-    return Path(os.environ.get("KUBERL_PVC_ROOT", DEFAULT_PVC_ROOT))
+    return Path(os.environ.get(PVC_ROOT_ENV, PVC_ROOT))
 
 
 def local_path(parsed: ParsedURI) -> Path:

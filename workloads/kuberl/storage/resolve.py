@@ -13,7 +13,7 @@ from kuberl.api.types import REMOTE_CODE_GLOBS
 from kuberl.storage import filesystems
 from kuberl.storage.errors import explain
 from kuberl.storage.staging import stage
-from kuberl.uri import parse, revision_problem
+from kuberl.api.uri import parse, revision_problem
 
 
 

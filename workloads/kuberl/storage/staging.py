@@ -23,7 +23,7 @@ from kuberl.storage.manifest import (COMPLETE_NAME, FileRecord, Journal, load_ve
                                      write_complete)
 from kuberl.storage.progress import Progress, log
 from kuberl.storage.safepath import PART_SUFFIX
-from kuberl.uri import ParsedURI, parse
+from kuberl.api.uri import ParsedURI, parse
 
 DEFAULT_WORKERS = 32
 DEFAULT_PART_SIZE = 8 << 20

@@ -9,7 +9,7 @@ from kuberl.storage import filesystems
 from kuberl.storage.errors import StorageError, with_retries
 from kuberl.storage.manifest import FileRecord
 from kuberl.storage.progress import log
-from kuberl.uri import parse
+from kuberl.api.uri import parse
 
 
 def upload_dir(local: str | Path, uri: str, *, workers: int = 16,

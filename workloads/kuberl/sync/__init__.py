@@ -2,16 +2,18 @@
 
 ``make_weight_sync(spec, trainer_group, engine_pool)`` returns a ``WeightSync`` for
 ``spec.weightSync.method``; call ``setup()`` once, then ``sync(version)`` after each update.
-One module per transport (``nccl``, ``checkpoint``, ``ipc``), each with its driver, sender and
+One module per transport (``nccl``, ``snapshot``, ``ipc``), each with its driver, sender and
 receiver parts; ``receiver.WeightReceiver`` gathers the receivers into vLLM's worker extension.
 """
 
 from kuberl.sync.base import SyncStats, WeightSync
-from kuberl.sync.checkpoint import CheckpointWeightSync
 from kuberl.sync.ipc import IpcWeightSync
 from kuberl.sync.nccl import NcclWeightSync
+from kuberl.sync.snapshot import SnapshotWeightSync
 
-METHODS = {"nccl": NcclWeightSync, "checkpoint": CheckpointWeightSync, "ipc": IpcWeightSync}
+# weightSync.method -> transport. The API's "checkpoint" is the snapshot transport: a user-facing
+# value, kept as it is (renaming it would break manifests).
+METHODS = {"nccl": NcclWeightSync, "checkpoint": SnapshotWeightSync, "ipc": IpcWeightSync}
 
 
 def make_weight_sync(spec, trainer_group, engine_pool) -> WeightSync:
@@ -21,5 +23,5 @@ def make_weight_sync(spec, trainer_group, engine_pool) -> WeightSync:
     return METHODS[method](spec, trainer_group, engine_pool)
 
 
-__all__ = ["CheckpointWeightSync", "IpcWeightSync", "NcclWeightSync", "SyncStats", "WeightSync",
+__all__ = ["IpcWeightSync", "NcclWeightSync", "SnapshotWeightSync", "SyncStats", "WeightSync",
            "make_weight_sync"]

@@ -1,4 +1,4 @@
-"""The weight-sync interface shared by the transports (one module each: ``nccl``, ``checkpoint``,
+"""The weight-sync interface shared by the transports (one module each: ``nccl``, ``snapshot``,
 ``ipc``, each holding its driver, sender and receiver parts)."""
 
 from __future__ import annotations
@@ -30,10 +30,22 @@ class WeightSync(abc.ABC):
         self.trainer_group = trainer_group
         self.engine_pool = engine_pool
         self.bucket_bytes = spec.weight_sync.bucket_size_mb * 1024 * 1024
+        self.engine_info: EngineInfo | None = None
+        self._metas: list | None = None
 
-    @abc.abstractmethod
     def setup(self) -> None:
-        """One-time wiring (process groups, directories); call before the first ``sync``."""
+        """One-time wiring; call before the first ``sync``. Every transport needs the engines'
+        dtype (the wire dtype) and the parameters' metadata in it; a transport that needs more
+        (nccl's process group) extends this."""
+        self.engine_info = EngineInfo(self.engine_pool)
+        self._metas = self.trainer_group.execute(metas, self.engine_info.dtype)[0]
+
+    @property
+    def metas(self) -> list:
+        """The parameters' metadata in the wire dtype, as ``setup`` collected it."""
+        if self._metas is None:
+            raise RuntimeError(f"{type(self).__name__}.setup() must run before sync()")
+        return self._metas
 
     @abc.abstractmethod
     def sync(self, version: int) -> SyncStats:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kuberl.sync.base import EngineInfo, SyncStats, WeightSync, metas
+from kuberl.sync.base import SyncStats, WeightSync
 from kuberl.sync.buckets import Bucket, from_wire, pack, plan_buckets, to_wire, unpack
 from kuberl.sync.params import full_bucket
 
@@ -56,15 +56,9 @@ class IpcWeightSync(WeightSync):
     def __init__(self, spec, trainer_group, engine_pool):
         super().__init__(spec, trainer_group, engine_pool)
         self.key = f"ipc-{uuid.uuid4().hex[:8]}"
-        self.metas = None
-
-    def setup(self) -> None:
-        info = EngineInfo(self.engine_pool)
-        self.metas = self.trainer_group.execute(metas, info.dtype)[0]
 
     def sync(self, version: int) -> SyncStats:
-        if self.metas is None:
-            raise RuntimeError("IpcWeightSync.setup() must run before sync()")
+        meta_list = self.metas
         import ray
 
         engines = self.engine_pool.engines
@@ -73,9 +67,9 @@ class IpcWeightSync(WeightSync):
             # Every bucket stays shared until the engines have loaded them all: the trainer GPUs
             # briefly hold one extra copy of the weights (in the engine's dtype).
             handles = [dict(self.trainer_group.execute(share_bucket, f"{self.key}-{i}", bucket))
-                       for i, bucket in enumerate(plan_buckets(self.metas, self.bucket_bytes))]
+                       for i, bucket in enumerate(plan_buckets(meta_list, self.bucket_bytes))]
             loaded = ray.get([engine.update_weights.remote(
-                "kuberl_load_ipc", (handles, to_wire(self.metas), self.bucket_bytes), version)
+                "kuberl_load_ipc", (handles, to_wire(meta_list), self.bucket_bytes), version)
                 for engine in engines])
         finally:
             self.trainer_group.execute(release_shared, f"{self.key}-")

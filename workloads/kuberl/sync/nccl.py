@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kuberl.sync.base import EngineInfo, SyncStats, WeightSync, metas
+from kuberl.sync.base import SyncStats, WeightSync
 from kuberl.sync.buckets import ParamMeta, from_wire, pack, plan_buckets, to_wire, unpack
 from kuberl.sync.group import SyncGroup, node_ip, open_store
 from kuberl.sync.params import iter_buckets
@@ -40,11 +40,10 @@ class NcclWeightSync(WeightSync):
         super().__init__(spec, trainer_group, engine_pool)
         self.backend = backend or ("nccl" if spec.trainer.gpus_per_replica > 0 else "gloo")
         self.key = f"nccl-{uuid.uuid4().hex[:8]}"
-        self.metas = None
 
     def setup(self) -> None:
-        info = EngineInfo(self.engine_pool)
-        self.metas = self.trainer_group.execute(metas, info.dtype)[0]
+        super().setup()
+        info = self.engine_info
         import ray
 
         world_size = 1 + sum(info.tp_sizes)
@@ -57,19 +56,18 @@ class NcclWeightSync(WeightSync):
         ray.get(joins)
 
     def sync(self, version: int) -> SyncStats:
-        if self.metas is None:
-            raise RuntimeError("NcclWeightSync.setup() must run before sync()")
+        meta_list = self.metas
         import ray
 
         start = time.perf_counter()
-        receives = [engine.update_weights.remote("kuberl_receive", (to_wire(self.metas), self.bucket_bytes),
+        receives = [engine.update_weights.remote("kuberl_receive", (to_wire(meta_list), self.bucket_bytes),
                                                  version)
                     for engine in self.engine_pool.engines]
         # The trainers send from a thread so that an engine failing to receive surfaces here at
         # once (the senders then stop at the group's timeout) instead of blocking the driver.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             sending = pool.submit(self.trainer_group.execute, broadcast_weights, self.key,
-                                  self.metas, self.bucket_bytes)
+                                  meta_list, self.bucket_bytes)
             received = ray.get(receives)
             sending.result()
         return SyncStats(version, min(min(r) for r in received), time.perf_counter() - start)

@@ -12,12 +12,12 @@ from collections.abc import Iterator
 
 import torch
 
-from kuberl.sync.checkpoint import FilesReceiver
 from kuberl.sync.ipc import IpcReceiver
 from kuberl.sync.nccl import NcclReceiver
+from kuberl.sync.snapshot import SnapshotReceiver
 
 
-class WeightReceiver(NcclReceiver, FilesReceiver, IpcReceiver):
+class WeightReceiver(NcclReceiver, SnapshotReceiver, IpcReceiver):
     """Methods added to vLLM's worker class; ``self`` is the worker. Each transport's receiving
     methods come from its own module; what they share is here."""
 

@@ -1,11 +1,12 @@
-"""kuberl.train: the training half of the data plane.
+"""kuberl.train: the trainer rank, one FSDP2 process of one torch.distributed group.
 
-- ``loss``: GRPO/PPO policy loss, KL penalty, entropy and group advantages (plain tensor functions);
+- ``loss``: policy loss, KL penalty, entropy and group advantages (plain tensor functions);
+- ``algorithms``: the RL algorithms (their losses for the rank, their shaping for the driver);
 - ``moe``: the Mixture-of-Experts expert path that runs every expert every step (grouped GEMM);
 - ``model``: loading a Hugging Face causal LM into FSDP2 (meta init, rank-0 load + broadcast);
 - ``worker``: one trainer rank (torch only, no Ray: also driven by torchrun in ``bench/``);
-- ``group``: ``TrainerGroup``, the Ray actors that form one torch.distributed group;
-- ``driver`` (``python -m kuberl.train``): the RL loop.
+- ``checkpoint``, ``dcp_read``, ``export``: the rank's checkpoint writes and reads, the HF export;
+- ``group``: ``TrainerGroup``, the Ray actors that form one torch.distributed group.
 
 Importing this package is cheap; the heavy modules import torch themselves.
 """

@@ -16,8 +16,9 @@ step (``kuberl.storage.withdraw_from``); then each rank hands its live state to 
 thread that writes it into the rank's own scratch directory and uploads it. Training goes on at
 once: the state is not copied, so the rank's next optimizer step waits (``fence``) until the
 write has read it; the rollout of the next step, which never touches the trainer's state,
-overlaps the write, and the upload overlaps everything. The driver (``CheckpointManager``) waits
-in a thread of its own for every rank's upload to be durable, then has rank 0 commit, then prune.
+overlaps the write, and the upload overlaps everything. The driver
+(``kuberl.driver.checkpoints.CheckpointManager``) waits in a thread of its own for every rank's
+upload to be durable, then has rank 0 commit, then prune.
 
 Restoring (``RankCheckpointer.load``, collective) reads straight from the checkpoint URI on
 every rank (byte ranges through fsspec for s3/gs; the mounted path for pvc and local roots).
@@ -27,7 +28,6 @@ checkpoint's bytes are the bucket's, and a planted pickle would run in every ran
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import shutil
@@ -37,15 +37,15 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from kuberl import metrics as pod_metrics
-from kuberl.plan import Checkpoints, Resume
+from kuberl.common import metrics as pod_metrics
+from kuberl.job.plan import Checkpoints, Resume
 from kuberl.storage import (checkpoint_to_restore, commit_records, latest_checkpoint, prune_checkpoints, stage,
                             step_uri, upload_dir, verify_checkpoint, withdraw_from)
+from kuberl.api.uri import parse
 from kuberl.storage import filesystems
 from kuberl.storage.errors import StorageError, with_retries
-from kuberl.uri import parse
 
 log = logging.getLogger("kuberl.train")
 DRIVER_STATE = "driver.json"
@@ -259,62 +259,3 @@ class RankCheckpointer:
             if refusals:
                 raise StorageError("; ".join(dict.fromkeys(str(e) for e in refusals))) from None
             raise
-
-
-class CheckpointManager:
-    """The driver's side: when to save, and the commit that follows every rank's upload.
-
-    ``trainer`` is the ``TrainerGroup`` (``save_checkpoint``, ``checkpoint_uploaded``,
-    ``commit_checkpoint``, ``find_checkpoint``, ``load_checkpoint``)."""
-
-    def __init__(self, checkpoints: Checkpoints, resume: Resume, trainer: Any,
-                 on_committed: Callable[[str, int], None] = lambda uri, step: None,
-                 on_restored: Callable[[str, int], None] = lambda uri, step: None):
-        self.spec = checkpoints
-        self.resume = resume
-        self.trainer = trainer
-        self.on_committed = on_committed
-        self.on_restored = on_restored
-        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
-        self._pending: Future | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return self.spec.root is not None
-
-    def due(self, step: int) -> bool:
-        return self.enabled and step % self.spec.interval_steps == 0
-
-    def save(self, step: int, driver_state: dict[str, Any]) -> float:
-        """Start checkpoint ``step`` on every rank; commit it in the background once all are
-        durable. Returns the stall training saw."""
-        self.wait()  # one checkpoint in flight at a time; also surfaces the previous one's error
-        stall = self.trainer.save_checkpoint(step)
-        self._pending = self._committer.submit(self._commit, step, copy.deepcopy(driver_state))
-        return stall
-
-    def _commit(self, step: int, driver_state: dict) -> str:
-        files = self.trainer.checkpoint_uploaded(step)
-        uri = self.trainer.commit_checkpoint(step, files, driver_state)
-        self.on_committed(uri, step)
-        return uri
-
-    def wait(self) -> str | None:
-        """Block until the pending checkpoint is committed; re-raise its error."""
-        pending, self._pending = self._pending, None
-        return pending.result() if pending else None
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._committer.shutdown(wait=True)
-
-    def restore(self) -> dict[str, Any] | None:
-        """Restore what the plan says into every rank; the driver's state, or None (fresh run)."""
-        source = self.trainer.find_checkpoint(self.resume)
-        if source is None:
-            return None
-        state = self.trainer.load_checkpoint(source)
-        self.on_restored(source, state["step"])
-        return state

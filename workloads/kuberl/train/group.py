@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 import ray
 
-from kuberl.plan import Resume, RunPlan
-from kuberl.samples import TrainBatch
+from kuberl.common.samples import TrainBatch
+from kuberl.job.plan import Resume, RunPlan
 from kuberl.train.checkpoint import CONCURRENCY_GROUP, find_checkpoint
 
 log = logging.getLogger("kuberl.train")
@@ -49,15 +49,15 @@ class TrainerActor:
         """Returns (node id, GPU id) of this rank: where colocated engines go."""
         import torch
 
-        from kuberl.metrics import start_pod_exporter
+        from kuberl.common.metrics import start_pod_exporter
         from kuberl.storage import resolve
         from kuberl.train.checkpoint import RankCheckpointer
         from kuberl.train.worker import TrainerWorker
 
         start_pod_exporter("trainer", rank)  # NUMA placement (kuberl_numa_*) of this pod
-        topo = plan.topology
-        use_gpu = topo.gpus_per_rank > 0
-        local_rank = rank % topo.ranks_per_pod
+        layout = plan.layout
+        use_gpu = layout.gpus_per_rank > 0
+        local_rank = rank % layout.ranks_per_pod
         # This rank's own scratch, temp files included: nothing here is shared with another rank.
         scratch = self.scratch = plan.rank_scratch(rank)
         (scratch / "tmp").mkdir(parents=True, exist_ok=True)
@@ -76,7 +76,7 @@ class TrainerActor:
             device = torch.device("cuda", 0)
         else:
             device = torch.device("cpu")
-        self.worker = TrainerWorker(local_path, config, rank=rank, world_size=topo.world_size,
+        self.worker = TrainerWorker(local_path, config, rank=rank, world_size=layout.world_size,
                                     master_addr=master_addr, master_port=master_port, device=device)
         if plan.checkpoints.root:
             self.checkpointer = RankCheckpointer(self.worker, plan.checkpoints, scratch / "checkpoints")
@@ -142,11 +142,11 @@ class TrainerGroup:
     def __init__(self, spec, plan: RunPlan):
         from kuberl.train.worker import TrainerConfig
 
-        topo = plan.topology
-        self.world_size = topo.world_size
-        use_gpu = topo.gpus_per_rank > 0
+        layout = plan.layout
+        self.world_size = layout.world_size
+        use_gpu = layout.gpus_per_rank > 0
         actor_cls = ray.remote(concurrency_groups={CONCURRENCY_GROUP: 1})(TrainerActor).options(
-            num_gpus=topo.gpus_per_rank, **topo.slot_reservation(topo.trainer_resource, ray.cluster_resources()),
+            num_gpus=layout.gpus_per_rank, **layout.slot_reservation(layout.trainer_resource, ray.cluster_resources()),
             **({"runtime_env": {"env_vars": dict(spec.rollout.env)}} if spec.rollout.env else {}))
         self.actors = [actor_cls.remote() for _ in range(self.world_size)]
         master_addr, master_port = ray.get(self.actors[0].rendezvous.remote())

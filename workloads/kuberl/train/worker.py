@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 
-from kuberl.samples import SampleError, TrainBatch
+from kuberl.common.samples import SampleError, TrainBatch
 from kuberl.train import loss as L
 from kuberl.train import packing
 from kuberl.train.algorithms import registry

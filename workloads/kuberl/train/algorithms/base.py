@@ -2,7 +2,7 @@
 
 An ``Algorithm`` says, on the driver's side, how rewards become advantages (``advantages``), how
 rewards are shaped before that (``shape_rewards``), which groups a step trains on
-(``keep_group``; ``kuberl.train.algorithms.sampling`` refills the batch when it drops some) and
+(``keep_group``; ``kuberl.driver.sampling`` refills the batch when it drops some) and
 which log-probs the trainer must compute (``logprobs``); on the trainer's side, the policy loss of
 one micro-batch (``policy_loss``: importance ratio, clip and aggregation). Algorithms hold no
 state: the hyper-parameters come from ``spec.algorithm`` (driver) or ``TrainerConfig`` (trainer).

@@ -7,7 +7,7 @@ arXiv 2503.14476). On top of GRPO's group-normalised advantages:
   batch, so long responses weigh by their tokens;
 - dynamic sampling: groups whose rewards are all equal (the paper: accuracy 0 or 1; here the
   reward function's values, before shaping) give no gradient; they are dropped and the batch is
-  refilled with new prompts (``kuberl.train.algorithms.sampling``, at most ``maxRefillRounds``
+  refilled with new prompts (``kuberl.driver.sampling``, at most ``maxRefillRounds``
   extra rounds);
 - soft overlong punishment: over the last ``L_cache`` = ``overlongBuffer`` tokens before
   ``L_max`` = ``rollout.maxResponseLength`` the reward falls linearly, ``(L_max - L_cache - |y|)

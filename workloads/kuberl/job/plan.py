@@ -1,0 +1,219 @@
+"""The run plan: every decision about how a job runs, made once, from the spec.
+
+``for_cluster(job, attempt)`` is what the renderer writes into the job's ConfigMap beside the
+accepted spec (``plan.yaml``); ``local(job, work_dir)`` is the same plan for ``kuberl train`` on a
+machine without Kubernetes. The driver, the trainer ranks, the engines and the operator's status
+computation all take a ``RunPlan`` and re-derive nothing: counts of ranks, engines and pods, the
+GPUs each Ray actor asks for, the Ray resource names, the paths inside a pod, where checkpoints
+go and which checkpoint a run restores.
+
+A plan is data, not code: pydantic, strict, loaded with ``read`` from the YAML the renderer wrote.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+
+from kuberl.api import uri as uris
+from kuberl.api import types as t
+from kuberl.api.contract import (DATA_DIR, MODEL_DIR, PLAN_FILE, ROLLOUT_GROUP, ROLLOUT_RESOURCE, SCRATCH_DIR,
+                             TRAINER_GROUP, TRAINER_RESOURCE, VALIDATION_DATA_DIR)
+
+EXPORT_DIR = "hf"
+# libyaml's safe loader when PyYAML has it (its wheels do): 15x faster than the pure-Python one,
+# and the operator reads every job's ConfigMap (spec and plan) on every reconcile.
+YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ProcessLayout(Frozen):
+    """How many processes of each kind run where (pods, trainer ranks, engines), and what each asks
+    Ray for; the machine's own topology (NUMA nodes, GPUs, CPUs) is ``kuberl.numa.topology``'s.
+    Colocated engines ask for no GPU of their own: the trainer ranks hold every GPU of a pod, and
+    each engine runs on the GPUs of trainer ranks of its node (sleeping while they train), so the
+    pod's GPUs are counted exactly once."""
+
+    trainer_pods: int
+    ranks_per_pod: int
+    world_size: int
+    gpus_per_rank: int                  # 1 on GPU, 0 on CPU (gloo)
+    rollout_pods: int                   # 0 when colocated
+    engines_per_pod: int
+    engines: int
+    gpus_per_engine: int                # what the engine actor asks Ray for
+    tensor_parallel_size: int
+    colocated: bool
+    expected_pods: int                  # head + trainer pods + rollout pods
+    trainer_resource: str = TRAINER_RESOURCE
+    rollout_resource: str = ROLLOUT_RESOURCE
+    # Per worker group: the custom Ray resources its pods advertise (rayStartParams.resources).
+    group_resources: dict[str, dict[str, int]]
+
+    def slot_reservation(self, resource: str, available: dict[str, float]) -> dict[str, Any]:
+        """What one trainer rank or engine asks Ray for, besides GPUs.
+
+        In a RayJob its group's pods advertise ``resource`` (one unit per process slot), and the
+        slot is the whole reservation: the pod's CPUs are Kubernetes' to account (its requests),
+        and Ray's CPUs there (``num-cpus``, the request's whole CPUs) are left to reward workers.
+        Reserving a CPU per rank as well would leave a pod that requests fewer CPUs than it runs
+        processes with ranks that never start. On a local Ray there are no slots: one logical CPU
+        each (``kuberl train`` gives Ray enough of them)."""
+        if available.get(resource, 0) > 0:
+            return {"num_cpus": 0, "resources": {resource: 1}}
+        return {"num_cpus": 1}
+
+
+class Paths(Frozen):
+    """Where a process finds its inputs. In a pod these are the staged copies or mounted claims;
+    on a laptop the URIs themselves, fetched by ``kuberl.storage.resolve``."""
+
+    model: str
+    # A Hugging Face revision, only while ``model`` is still a Hub id to fetch (never for a
+    # staged directory: the stager already took the revision).
+    model_revision: str | None = None
+    data: str
+    validation_data: str | None = None  # spec.validation.uri's copy; None without validation
+    scratch: str
+
+
+class Checkpoints(Frozen):
+    root: str | None                    # spec.checkpoint.uri
+    interval_steps: int
+    keep: int
+    format: Literal["dcp", "tar"]
+    export_hugging_face: bool
+    export_uri: str | None              # <root>/hf
+
+    def export_uri_at(self, step: int) -> str:
+        """Where a periodic export (checkpoint.exportIntervalSteps) of ``step`` goes."""
+        if self.root is None:
+            raise ValueError("a Hugging Face export needs spec.checkpoint.uri")
+        return uris.parse(self.root, "spec.checkpoint.uri").join(f"hf-step-{step}")
+
+
+class Resume(Frozen):
+    """Which checkpoint this attempt restores, decided from the spec alone (never from the job's
+    status, which the workload itself may write): the newest complete ``step-<n>`` below
+    ``newest_under`` if there is one, else ``explicit`` (a checkpoint the spec names; it must be
+    complete), else nothing."""
+
+    newest_under: str | None = None
+    explicit: str | None = None
+
+
+class RunPlan(Frozen):
+    job: str
+    namespace: str
+    attempt: int
+    # plan.yaml of a job rendered before the rename says ``topology``: still read.
+    layout: ProcessLayout = Field(validation_alias=AliasChoices("layout", "topology"))
+    paths: Paths
+    checkpoints: Checkpoints
+    resume: Resume
+
+    def rank_scratch(self, rank: int) -> Path:
+        return Path(self.paths.scratch) / f"rank-{rank}"
+
+    def dump(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def process_layout(spec: t.RLTrainingJobSpec) -> ProcessLayout:
+    trainer, rollout = spec.trainer, spec.rollout
+    ranks_per_pod = trainer.gpus_per_replica or trainer.processes_per_replica
+    gpus_per_rank = 1 if trainer.gpus_per_replica else 0
+    tp = rollout.tensor_parallel_size
+    if rollout.colocate:
+        rollout_pods = 0
+        engines_per_pod = trainer.gpus_per_replica // tp
+        engines = trainer.replicas * engines_per_pod
+        gpus_per_engine = 0
+        groups = {TRAINER_GROUP: {TRAINER_RESOURCE: ranks_per_pod, ROLLOUT_RESOURCE: engines_per_pod}}
+    else:
+        rollout_pods = rollout.replicas
+        # CPU engines: one per rollout pod.
+        engines_per_pod = max(1, rollout.gpus_per_replica // tp)
+        engines = rollout_pods * engines_per_pod
+        gpus_per_engine = tp if rollout.gpus_per_replica else 0
+        groups = {TRAINER_GROUP: {TRAINER_RESOURCE: ranks_per_pod},
+                  ROLLOUT_GROUP: {ROLLOUT_RESOURCE: engines_per_pod}}
+    return ProcessLayout(
+        trainer_pods=trainer.replicas, ranks_per_pod=ranks_per_pod,
+        world_size=trainer.replicas * ranks_per_pod, gpus_per_rank=gpus_per_rank,
+        rollout_pods=rollout_pods, engines_per_pod=engines_per_pod, engines=engines,
+        gpus_per_engine=gpus_per_engine, tensor_parallel_size=tp, colocated=rollout.colocate,
+        expected_pods=1 + trainer.replicas + rollout_pods, group_resources=groups)
+
+
+def checkpoints(spec: t.RLTrainingJobSpec) -> Checkpoints:
+    ck = spec.checkpoint
+    export = ck.uri.parsed.join(EXPORT_DIR) if ck.uri else None
+    return Checkpoints(root=ck.uri, interval_steps=ck.interval_steps, keep=ck.keep, format=ck.format,
+                       export_hugging_face=ck.export_hugging_face, export_uri=export)
+
+
+def resume(spec: t.RLTrainingJobSpec, attempt: int) -> Resume:
+    """attempt 0 does what spec.checkpoint.resume says; every restart continues from the job's own
+    newest checkpoint under spec.checkpoint.uri, or where attempt 0 started if it saved none."""
+    ck = spec.checkpoint
+    explicit = None if ck.resume in ("auto", "never") else ck.resume
+    if explicit is not None:
+        explicit.parsed  # a bad URI stops the plan here, naming spec.checkpoint.resume
+    if attempt == 0 and ck.resume == "never":
+        return Resume()
+    newest_under = ck.uri if (ck.resume == "auto" or attempt > 0) else None
+    return Resume(newest_under=newest_under, explicit=explicit)
+
+
+def in_pod_path(uri: uris.SpecURI, staged_dir: str) -> str:
+    """The path a container reads the spec's ``uri`` from: the staged copy, a mounted claim, or
+    the path."""
+    return uris.in_pod_path(uri.parsed, staged_dir)
+
+
+def for_cluster(job: t.RLTrainingJob, attempt: int = 0) -> RunPlan:
+    spec = job.spec
+    return RunPlan(
+        job=job.metadata.name, namespace=job.metadata.namespace, attempt=attempt,
+        layout=process_layout(spec),
+        paths=Paths(model=in_pod_path(spec.model.uri, MODEL_DIR),
+                    data=in_pod_path(spec.data.uri, DATA_DIR),
+                    validation_data=(in_pod_path(spec.validation.uri, VALIDATION_DATA_DIR)
+                                     if spec.validation is not None else None),
+                    scratch=SCRATCH_DIR),
+        checkpoints=checkpoints(spec), resume=resume(spec, attempt))
+
+
+def local(job: t.RLTrainingJob, work_dir: Path, attempt: int = 0) -> RunPlan:
+    """``kuberl train`` outside Kubernetes: every process fetches its inputs itself."""
+    spec = job.spec
+    model = spec.model.uri.parsed
+    revision = spec.model.revision if model.info.hub else None
+    return RunPlan(
+        job=job.metadata.name, namespace=job.metadata.namespace, attempt=attempt,
+        layout=process_layout(spec),
+        paths=Paths(model=spec.model.uri, model_revision=revision, data=spec.data.uri,
+                    validation_data=spec.validation.uri if spec.validation is not None else None,
+                    scratch=str(Path(work_dir) / "scratch")),
+        checkpoints=checkpoints(spec), resume=resume(spec, attempt))
+
+
+def read(text: str) -> RunPlan:
+    return RunPlan.model_validate(yaml.load(text, Loader=YAML_LOADER))
+
+
+def load(job: t.RLTrainingJob, config_path: Path | None, work_dir: Path) -> RunPlan:
+    """The one way a process gets its plan: the one the renderer wrote beside the job's config
+    (``plan.yaml`` in the same ConfigMap), else a local one for a run without Kubernetes."""
+    if config_path is not None:
+        written = Path(config_path).parent / PLAN_FILE
+        if written.is_file():
+            return read(written.read_text())
+    return local(job, work_dir)
