@@ -74,7 +74,7 @@ def test_reset_may_return_a_chat_a_string_or_gymnasium_pair():
     assert first_chat(chat, "env") == chat
     assert first_chat("hi", "env") == [{"role": "user", "content": "hi"}]
     assert first_chat(("hi", {"info": 1}), "env") == [{"role": "user", "content": "hi"}]
-    with pytest.raises(AgentError, match="env: reset\\(\\) must end with a user message"):
+    with pytest.raises(AgentError, match="env: reset\\(\\): the last message must be the user's"):
         first_chat([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}], "env")
     with pytest.raises(AgentError, match=r"env: reset\(\)\[0\] must be"):
         first_chat([{"role": "tool", "content": "u"}], "env")

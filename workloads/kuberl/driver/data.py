@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kuberl.api.types import DataSpec
-from kuberl.common.prompts import ROLES, Prompt
+from kuberl.common.prompts import Prompt, checked_chat
 from kuberl.storage import filesystems
 from kuberl.storage.errors import StorageError
 
@@ -182,17 +182,10 @@ def _messages(value: Any, where: str, field_name: str) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise DataError(f"{where}: field {field_name!r} must be a non-empty string or a chat-message list "
                         f"[{{role, content}}], got {type(value).__name__}")
-    out = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or set(message) - {"role", "content"} - {"name"} or \
-                not isinstance(message.get("content"), str) or message.get("role") not in ROLES:
-            raise DataError(f"{where}: {field_name}[{i}] must be {{role: {'|'.join(ROLES)}, content: string}}, "
-                            f"got {message!r:.120}")
-        out.append({"role": message["role"], "content": message["content"]})
-    if out[-1]["role"] != "user":
-        raise DataError(f"{where}: {field_name}: the last message must be the user's (the model answers it), "
-                        f"got {out[-1]['role']!r}")
-    return out
+    try:
+        return checked_chat(value, field_name)
+    except ValueError as err:
+        raise DataError(f"{where}: {err}") from None
 
 
 def load_prompts(path: str | Path, *, prompt_field: str = "prompt", answer_field: str = "answer",

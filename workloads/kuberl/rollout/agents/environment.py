@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from kuberl.common.prompts import ROLES
+from kuberl.common.prompts import checked_chat
 from kuberl.common.reward_values import as_reward
 from kuberl.common.usercode import resolve
 
@@ -79,17 +79,10 @@ def first_chat(value: Any, where: str) -> list[dict[str, str]]:
     if not isinstance(value, (list, tuple)) or not value:
         raise AgentError(f"{where}: reset() must return a chat (a non-empty list of {{role, content}}) or "
                          f"a string, got {type(value).__name__}")
-    chat = []
-    for i, message in enumerate(value):
-        if (not isinstance(message, dict) or message.get("role") not in ROLES
-                or not isinstance(message.get("content"), str)):
-            raise AgentError(f"{where}: reset()[{i}] must be {{role: {'|'.join(ROLES)}, content: string}}, "
-                             f"got {message!r:.120}")
-        chat.append({"role": message["role"], "content": message["content"]})
-    if chat[-1]["role"] != "user":
-        raise AgentError(f"{where}: reset() must end with a user message (the model answers it), "
-                         f"got {chat[-1]['role']!r}")
-    return chat
+    try:
+        return checked_chat(list(value), "reset()")
+    except ValueError as err:
+        raise AgentError(f"{where}: {err}") from None
 
 
 def as_step(value: Any, where: str) -> Step:
