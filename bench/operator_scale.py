@@ -32,7 +32,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.cluster.harness import Cluster  # noqa: E402  (the repo's harness, not an installed package)
+from tests.harness.harness import Cluster  # noqa: E402  (the repo's harness, not an installed package)
 
 NAMESPACE = "bench"
 

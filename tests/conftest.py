@@ -1,17 +1,27 @@
+"""What every tier shares: the fixtures of tests/shared and the harness (plugins, so that a fixture
+one tier defines reaches the others), the session's Ray, and the time each tier took."""
+
 import importlib.util
 import os
+import time
+from collections import defaultdict
 
 import pytest
 
-# The cluster harness needs the `test` extra (cryptography for its certificates); the GPU machine
-# has only torch and transformers and runs tests/gpu without it.
-pytest_plugins = ["tests.cluster.plugin"] if importlib.util.find_spec("cryptography") else []
+from tests.tiers import TIERS, tier_of
+
+# The object stores need only the standard library. The cluster harness, the Helm and Prometheus
+# fixtures need the `test` extra (cryptography for its certificates); the GPU machine has only
+# torch and transformers and runs tests/gpu without it.
+pytest_plugins = ["tests.shared.stores"] + (
+    ["tests.harness.plugin", "tests.shared.helm", "tests.shared.metrics"]
+    if importlib.util.find_spec("cryptography") else [])
 
 
 @pytest.fixture(scope="session")
 def ray_s3_endpoint():
     """moto's S3 server that every Ray worker of the session reaches through AWS_ENDPOINT_URL_S3."""
-    from tests.storage.conftest import moto_server
+    from tests.shared.stores import moto_server
 
     with moto_server() as endpoint:
         yield endpoint
@@ -22,7 +32,7 @@ def ray_session(ray_s3_endpoint):
     """One local Ray for the whole session: ``ray.init`` may run once per process, and the vLLM
     engine actors (about a minute to start) outlive any one test module."""
     ray = pytest.importorskip("ray")
-    from tests.storage.conftest import S3_ENV
+    from tests.shared.stores import S3_ENV
 
     if ray.is_initialized():
         pytest.fail("Ray is already running in this process: an earlier test used Ray tasks without the "
@@ -34,3 +44,27 @@ def ray_session(ray_s3_endpoint):
              runtime_env={"env_vars": {**S3_ENV, "AWS_ENDPOINT_URL_S3": ray_s3_endpoint}})
     yield ray_s3_endpoint
     ray.shutdown()
+
+
+_tier_seconds: dict[str, float] = defaultdict(float)
+_tier_tests: dict[str, int] = defaultdict(int)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    """Each test's wall time (setup, call, teardown: session fixtures count in the tier that starts them)."""
+    start = time.monotonic()
+    yield
+    tier = tier_of(item.path) or "other"
+    _tier_seconds[tier] += time.monotonic() - start
+    _tier_tests[tier] += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where a run's time went, tier by tier, for CI's log (pyproject's --durations names the tests)."""
+    if not _tier_tests:
+        return
+    terminalreporter.section("time per tier")
+    for tier in [*TIERS, "other"]:
+        if _tier_tests.get(tier):
+            terminalreporter.write_line(f"{tier:8s} {_tier_seconds[tier]:8.1f} s  {_tier_tests[tier]:5d} tests")

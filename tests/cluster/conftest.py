@@ -1,8 +1,14 @@
+"""Tier 3, `tests/cluster`: the real control plane (the session's `k8s_cluster`: etcd, kube-apiserver,
+KubeRay, KWOK nodes; tests/harness), and the operator as a subprocess against it."""
+
 import uuid
 
 import pytest
 
-from tests.cluster.helpers import wait_for
+from tests.harness.helpers import wait_for
+from tests.tiers import tier_marker
+
+pytest_collection_modifyitems = tier_marker(__file__)
 
 
 @pytest.fixture

@@ -1,4 +1,6 @@
-"""The product as a user installs it, on the real-node cluster (tests/cluster/nodes.py): the operator
+"""Tier 4, `tests/e2e`: real nodes (containerd, kubelet) running our images.
+
+The product as a user installs it, on the real-node cluster (tests/harness/nodes.py): the operator
 `helm install`ed from its built image and running as a pod under the chart's own RBAC, an S3
 server (moto's) that pods reach through a Service, the tiny model and data uploaded to it, and a
 Secret holding its credentials. Jobs are examples/grpo-tiny-s3.yaml, applied with kubectl.
@@ -18,9 +20,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster.harness import REPO_ROOT, Cluster, free_port
-from tests.cluster.helpers import get_json, wait_for
-from tests.cluster.images import public_name
+from tests.harness.harness import REPO_ROOT, Cluster, free_port
+from tests.harness.helpers import get_json, wait_for
+from tests.harness.images import public_name
+from tests.tiers import tier_marker
+
+pytest_collection_modifyitems = tier_marker(__file__)
 
 NAMESPACE = "e2e"
 OPERATOR_NAMESPACE = "kuberl-system"

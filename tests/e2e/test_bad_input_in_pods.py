@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.cluster.helpers import get_json
+from tests.harness.helpers import get_json
 from tests.e2e.conftest import NAMESPACE, OPERATOR_NAMESPACE, condition, example
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_nodes, pytest.mark.slow]

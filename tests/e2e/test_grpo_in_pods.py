@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster.harness import REPO_ROOT
-from tests.cluster.helpers import get_json, wait_for
+from tests.harness.harness import REPO_ROOT
+from tests.harness.helpers import get_json, wait_for
 from tests.e2e.conftest import NAMESPACE, OPERATOR_NAMESPACE, condition, example, record_timing
-from tests.metrics import prometheus as prom
+from tests.shared import prometheus as prom
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_nodes, pytest.mark.slow]
 

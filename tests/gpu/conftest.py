@@ -1,13 +1,11 @@
-"""Everything under tests/gpu needs a CUDA GPU: skipped elsewhere (CI, laptops), run on the GPU
+"""Tier 5, `tests/gpu`: everything here needs a CUDA GPU: skipped elsewhere (CI, laptops), run on the GPU
 machine."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-HERE = Path(__file__).resolve().parent
+from tests.tiers import tier_of
 
 
 def _cuda_available() -> bool:
@@ -18,10 +16,13 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    mine = [item for item in items if tier_of(item.path) == "gpu"]
+    for item in mine:
+        item.add_marker("gpu")
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
-    for item in items:
-        if HERE in Path(str(item.fspath)).resolve().parents:
-            item.add_marker(skip)
+    for item in mine:
+        item.add_marker(skip)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.sync.test_transport import SHAPES, NamedParams, Runner
+from tests.unit.sync.test_transport import SHAPES, NamedParams, Runner
 
 
 def _receive(handles, metas, bucket_bytes, results):

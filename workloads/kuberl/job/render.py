@@ -210,7 +210,7 @@ def _pvc_mounts(read: list[str], write: list[str]) -> list[dict[str, Any]]:
 
 
 def _pod_env(job: t.RLTrainingJob, role: str) -> list[dict[str, Any]]:
-    # Each is read by kuberl code (tests/api/test_render.py checks): metrics labels and port,
+    # Each is read by kuberl code (tests/unit/api/test_render.py checks): metrics labels and port,
     # the pvc:// mount root. Everything else a process needs is in the run plan.
     return [
         {"name": JOB_NAME_ENV, "value": job.metadata.name},

@@ -66,13 +66,16 @@ def engine_args(spec, local_model_path: str, served_model_name: str, *, engine_i
     return AsyncEngineArgs(**engine_kwargs(spec, local_model_path, served_model_name, engine_index=engine_index))
 
 
-def engine_kwargs(spec, local_model_path: str, served_model_name: str, *, engine_index: int) -> dict:
+def engine_kwargs(spec, local_model_path: str, served_model_name: str, *, engine_index: int,
+                  on_cpu: bool | None = None) -> dict:
     """vLLM engine arguments of engine ``engine_index`` (also what bench/rl_gpu.py gives a raw
-    ``LLM`` to compare against kuberl's engine with the same settings)."""
-    from vllm.platforms import current_platform
+    ``LLM`` to compare against kuberl's engine with the same settings). ``on_cpu`` None asks vLLM's
+    platform; a bool leaves vLLM unimported (the unit tests run without it)."""
+    if on_cpu is None:
+        from vllm.platforms import current_platform
 
+        on_cpu = current_platform.is_cpu()
     rollout = spec.rollout
-    on_cpu = current_platform.is_cpu()
     # CPU engines only serve tests and laptops: full precision, so trainer and engine agree.
     dtype = "float32" if on_cpu or spec.trainer.param_dtype == "float32" else "bfloat16"
     # vLLM's CPU linear layers call kernels prepacked from the weights through per-layer
@@ -84,7 +87,7 @@ def engine_kwargs(spec, local_model_path: str, served_model_name: str, *, engine
         # After a partial (chunked) prefill step vLLM rewinds a seeded request's generator with
         # set_offset, which CPU generators refuse ("CPU Generator does not use offset"): the
         # engine dies. Every request here is seeded (exact resume), so CPU engines prefill whole
-        # prompts; the batch budget must then hold the longest. tests/driver/test_agent_e2e.py's
+        # prompts; the batch budget must then hold the longest. tests/engine/driver/test_agent_e2e.py's
         # multi-turn prompts hit it.
         "enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048),
     } if on_cpu else {}

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from kuberl.storage.errors import StorageError
 
 METADATA = ".metadata"
-# Every global a .metadata written by dcp.save names (torch 2.13; tests/driver/test_checkpoint.py
+# Every global a .metadata written by dcp.save names (torch 2.13; tests/engine/driver/test_checkpoint.py
 # restores a real one), besides torch's dtypes. Each is a plain data class or a lookup: called
 # with whatever arguments a pickle gives, none of them does I/O or runs code. (A pickle can still
 # set attributes on what it builds, the enum's shared members included: bad data, never code.)

@@ -17,7 +17,7 @@ receives a gradient (zeros for an expert without tokens). ``implementation="loop
 Python loop over *all* experts (zero-row matmuls for empty ones), for platforms without
 ``_grouped_mm``: it issues the same collectives on every rank and gives every expert a gradient,
 but its per-expert row counts follow the routing, so a recompute that routes differently still
-fails it (tests/train/test_moe_failure.py shows the grouped path surviving that).
+fails it (tests/engine/train/test_moe_failure.py shows the grouped path surviving that).
 
 The swap replaces the ``experts`` submodule of our own model instance; no library module is patched.
 """
@@ -65,7 +65,7 @@ class GroupedExperts(nn.Module):
         order = torch.argsort(flat_experts, stable=True)
         token_of_row = order // top_k
         # Not bincount: its output shape depends on the data, which breaks the compiled layer's
-        # graph in two (tests/train/test_moe.py checks the layer traces as one graph).
+        # graph in two (tests/unit/train/test_moe.py checks the layer traces as one graph).
         counts = flat_experts.new_zeros(self.num_experts).scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = hidden_states[token_of_row]

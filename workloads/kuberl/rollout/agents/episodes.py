@@ -153,7 +153,7 @@ class AgentRollout:
                 # A client per episode, used by its thread alone: httpx's sync connection pool,
                 # shared by threads, can close a connection that another thread was just given
                 # (encode/httpcore#1110), and that thread's read then fails with "Bad file
-                # descriptor". It failed one CI run here (tests/driver/test_agent_e2e.py).
+                # descriptor". It failed one CI run here (tests/engine/driver/test_agent_e2e.py).
                 with httpx.Client(base_url=self.base_url, timeout=TURN_TIMEOUT_S) as client:
                     reward, info = self._play(client, prompt, key, seed, where)
             else:

@@ -1,0 +1,194 @@
+"""next_action: restarts with backoff and resume, suspend, refused spec changes, TTL, idempotence."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import yaml
+
+from kuberl.job import plan as plans
+from kuberl.api.contract import ATTEMPT_ANNOTATION, CONFIG_FILE, PLAN_FILE
+from kuberl.job.render import render
+from kuberl_operator.reconcile import Settings, backoff_seconds, current_attempt, desired_objects, next_action
+from tests.unit.operator.factories import NOW, job, observed, ray_job
+
+SETTINGS = Settings(restart_backoff_seconds=10, restart_backoff_max_seconds=60)
+CHECKPOINT = {"lastCheckpoint": {"uri": "s3://bucket/ckpt/step-10", "step": 10, "time": "2026-01-01T11:50:00Z"}}
+ROOT = "s3://bucket/ckpt"
+
+
+def config_map_of(j):
+    return render(j)[3]
+
+
+def test_new_job_creates_identity_config_and_rayjob_in_order():
+    plan = next_action(job(), observed(), NOW, SETTINGS)
+    assert [o["kind"] for o in plan.apply] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "NetworkPolicy", "RayJob"]
+    assert plan.apply[-1]["metadata"]["name"] == "tiny"
+    assert plan.status["phase"] == "Pending" and not plan.delete_ray_jobs
+    # Same observation, same plan: running it twice creates the same names, nothing more.
+    assert next_action(job(), observed(), NOW, SETTINGS).apply == plan.apply
+
+
+def test_a_reconcile_builds_the_run_plan_once(monkeypatch):
+    """Creating an attempt renders its ConfigMap and RayJob and computes its status from one plan."""
+    built = []
+    for_cluster = plans.for_cluster
+    monkeypatch.setattr(plans, "for_cluster", lambda *a, **kw: built.append(a) or for_cluster(*a, **kw))
+    plan = next_action(job(), observed(), NOW, SETTINGS)
+    assert len(built) == 1
+    assert plans.read(plan.apply[3]["data"][PLAN_FILE]) == for_cluster(job(), 0)
+
+
+def test_existing_rayjob_is_adopted_not_recreated():
+    plan = next_action(job(), observed(ray_job("tiny", deployment="Running")), NOW, SETTINGS)
+    assert plan.apply == [] and plan.delete_ray_jobs == []
+
+
+def test_failure_waits_for_backoff_then_restarts_from_last_checkpoint():
+    failed = ray_job("tiny", deployment="Failed", job_status="FAILED", reason="AppFailed",
+                     endTime="2026-01-01T11:59:55Z")
+    j = job(status=CHECKPOINT, checkpoint={"uri": ROOT})
+    waiting = next_action(j, observed(failed), NOW, SETTINGS)
+    assert waiting.apply == [] and waiting.requeue_after == 5.0
+    assert waiting.status["phase"] == "Starting"
+
+    plan = next_action(j, observed(failed), NOW + timedelta(seconds=6), SETTINGS)
+    assert plan.status["restarts"] == 1
+    rayjob = plan.apply[-1]
+    assert rayjob["metadata"]["name"] == "tiny-r1" and rayjob["metadata"]["annotations"][ATTEMPT_ANNOTATION] == "1"
+    config = yaml.safe_load(plan.apply[3]["data"][CONFIG_FILE])
+    assert config["metadata"]["annotations"][ATTEMPT_ANNOTATION] == "1"
+    run_plan = plans.read(plan.apply[3]["data"][PLAN_FILE])
+    assert run_plan.attempt == 1 and run_plan.resume == plans.Resume(newest_under=ROOT)
+    assert plan.delete_ray_jobs == ["tiny"]
+    assert any(e.reason == "Restarting" for e in plan.events)
+
+
+def test_backoff_doubles_and_is_capped():
+    assert [backoff_seconds(SETTINGS, n) for n in range(5)] == [10, 20, 40, 60, 60]
+
+
+def test_no_restart_left_is_failed_and_nothing_is_created():
+    failed = ray_job("tiny-r2", attempt=2, deployment="Failed", reason="AppFailed", endTime="2026-01-01T11:00:00Z")
+    plan = next_action(job(backoffLimit=2, status={"restarts": 2}), observed(failed), NOW, SETTINGS)
+    assert plan.status["phase"] == "Failed" and plan.apply == []
+    assert any(e.reason == "Failed" and e.type == "Warning" for e in plan.events)
+
+
+def test_an_input_error_the_driver_reported_fails_the_job_without_a_restart():
+    """A reward function that raises fails again on restart: the job fails at once, naming it."""
+    error = {"attempt": 0, "reason": "RewardFunctionFailed", "time": "2026-01-01T11:59:50Z",
+             "message": "spec.reward.function failed: TypeError('the JSON object must be str, not list')"}
+    failed = ray_job("tiny", deployment="Failed", job_status="FAILED", reason="AppFailed",
+                     endTime="2026-01-01T11:59:55Z")
+    plan = next_action(job(status={"workloadError": error}), observed(failed), NOW + timedelta(hours=1), SETTINGS)
+    assert plan.apply == [] and plan.status["restarts"] == 0
+    assert plan.status["phase"] == "Failed"
+    cond = {c["type"]: c for c in plan.status["conditions"]}["Failed"]
+    assert cond["status"] == "True" and cond["reason"] == "RewardFunctionFailed"
+    assert "TypeError('the JSON object must be str, not list')" in cond["message"]
+    # An earlier attempt's report says nothing about this attempt: it restarts as usual.
+    failed_r1 = ray_job("tiny-r1", attempt=1, deployment="Failed", job_status="FAILED", endTime="2026-01-01T11:00:00Z")
+    plan = next_action(job(status={"workloadError": error, "restarts": 1}), observed(failed_r1), NOW, SETTINGS)
+    assert plan.status["restarts"] == 2 and plan.apply
+
+
+def test_stale_status_never_deletes_the_running_attempt():
+    # The cached status still says restarts=0 but tiny-r1 exists: the attempt is 1, tiny (0) is stale.
+    old = ray_job("tiny", deployment="Failed")
+    new = ray_job("tiny-r1", attempt=1, deployment="Running")
+    obs = observed(old, new)
+    assert current_attempt(job(), obs) == 1
+    plan = next_action(job(), obs, NOW, SETTINGS)
+    assert plan.delete_ray_jobs == ["tiny"] and plan.apply == [] and plan.status["restarts"] == 1
+
+
+def test_suspend_and_resume_patch_the_rayjob():
+    plan = next_action(job(suspend=True), observed(ray_job("tiny", deployment="Running")), NOW, SETTINGS)
+    assert plan.suspend == ("tiny", True)
+    plan = next_action(job(), observed(ray_job("tiny", deployment="Suspended", suspend=True)), NOW, SETTINGS)
+    assert plan.suspend == ("tiny", False)
+    created = next_action(job(suspend=True), observed(), NOW, SETTINGS)
+    assert created.apply[-1]["spec"]["suspend"] is True
+
+
+def test_suspend_waits_for_the_drivers_checkpoint_of_its_last_step_then_takes_the_cluster():
+    """KubeRay deletes a suspended RayJob's cluster without stopping the Ray job: the operator
+    waits until the driver (which reads spec.suspend after each step) holds with its last step
+    checkpointed."""
+    running = ray_job("tiny", deployment="Running")
+    progress = {"progress": {"step": 13, "totalSteps": 20}}
+    held = {"progress": {"step": 13, "totalSteps": 20, "heldForSuspend": True}}
+    checkpointed_13 = {"lastCheckpoint": {**CHECKPOINT["lastCheckpoint"], "step": 13}}
+
+    def plan_for(status):
+        return next_action(job(suspend=True, checkpoint={"uri": ROOT}, status=status), observed(running), NOW,
+                           SETTINGS)
+
+    def waiting_for(plan):
+        assert plan.suspend is None and plan.requeue_after == SETTINGS.suspend_poll_seconds
+        cond = {c["type"]: c for c in plan.status["conditions"]}["Suspended"]
+        assert cond["reason"] == "Checkpointing"
+        return cond["message"]
+
+    # The driver holds, its checkpoint of step 13 still uploading.
+    assert "checkpoint step 13" in waiting_for(plan_for({**CHECKPOINT, **held}))
+    # Step 13 checkpointed (at its interval) but the driver does not hold: the suspend came
+    # mid-step, and step 14 is still training. Taking the cluster now would lose it.
+    assert "end the step in flight" in waiting_for(plan_for({**checkpointed_13, **progress}))
+    # Held, and the checkpoint of step 13 is in: the cluster may go.
+    assert plan_for({**checkpointed_13, **held}).suspend == ("tiny", True)
+    # No driver answer within the timeout: suspended anyway.
+    waited = {**CHECKPOINT, **progress, "conditions": [
+        {"type": "Suspended", "status": "True", "reason": "Checkpointing", "message": "",
+         "lastTransitionTime": "2026-01-01T11:00:00Z"}]}
+    assert plan_for(waited).suspend == ("tiny", True)
+    # Nothing to wait for without a checkpoint.uri.
+    plan = next_action(job(suspend=True, status={**CHECKPOINT, **progress}), observed(running), NOW, SETTINGS)
+    assert plan.suspend == ("tiny", True)
+
+
+def test_suspended_failed_job_is_not_restarted():
+    failed = ray_job("tiny", deployment="Failed", endTime="2026-01-01T11:00:00Z")
+    plan = next_action(job(suspend=True), observed(failed), NOW, SETTINGS)
+    assert plan.apply == [] and plan.status["phase"] == "Suspended"
+
+
+def test_immutable_change_is_refused_and_mutable_ones_apply():
+    running = job()
+    obs = observed(ray_job("tiny", deployment="Running"), config_map=config_map_of(running))
+    changed = job(model={"uri": "s3://other/model"}, backoffLimit=5, ttlSecondsAfterFinished=60)
+    plan = next_action(changed, obs, NOW, SETTINGS)
+    refused = {c["type"]: c for c in plan.status["conditions"]}["SpecChangeRefused"]
+    assert refused["status"] == "True" and "spec.model" in refused["message"]
+    assert "backoffLimit" not in refused["message"] and "ttlSecondsAfterFinished" not in refused["message"]
+    assert any(e.reason == "SpecChangeRefused" for e in plan.events)
+    # A restart renders the spec in effect, not the refused one.
+    objects = desired_objects(changed, obs, attempt=1)
+    config = yaml.safe_load(objects[3]["data"][CONFIG_FILE])
+    assert config["spec"]["model"]["uri"] == running.spec.model.uri
+    assert config["spec"]["backoffLimit"] == 5
+
+
+def test_ttl_deletes_the_job_after_it_finished():
+    done = {"phase": "Succeeded", "completionTime": "2026-01-01T11:59:00Z"}
+    early = next_action(job(ttlSecondsAfterFinished=120, status=done), observed(), NOW, SETTINGS)
+    assert not early.delete_job and early.requeue_after == 60.0
+    late = next_action(job(ttlSecondsAfterFinished=30, status=done), observed(), NOW, SETTINGS)
+    assert late.delete_job
+
+
+def test_status_written_by_the_workload_never_steers_the_restart():
+    """status.lastCheckpoint is patched by the job's own ServiceAccount: a restart must not mount,
+    stage or restore what it names, and a value nothing can parse must not wedge restarts."""
+    failed = ray_job("tiny", deployment="Failed", job_status="FAILED", reason="AppFailed",
+                     endTime="2026-01-01T11:00:00Z")
+    for uri in ("pvc://someone-elses-claim/secrets", "s3://other-bucket/x/step-000000001", "not a uri at all"):
+        hostile = {"lastCheckpoint": {"uri": uri, "step": 1, "time": "2026-01-01T10:00:00Z"}}
+        plan = next_action(job(status=hostile, checkpoint={"uri": ROOT}), observed(failed), NOW, SETTINGS)
+        assert [o["kind"] for o in plan.apply][-1] == "RayJob", uri
+        rendered = yaml.safe_dump(plan.apply)
+        assert "someone-elses-claim" not in rendered and "other-bucket" not in rendered and "not a uri" not in rendered
+        run_plan = plans.read(plan.apply[3]["data"][PLAN_FILE])
+        assert run_plan.resume == plans.Resume(newest_under=ROOT)
