@@ -57,6 +57,9 @@ class Redispatch:
 
     def send(self, lo: int, hi: int, live: list) -> list[tuple[object, int, int]]:
         """The (engine, start, end) requests to make for prompts ``lo..hi`` over ``live``."""
+        if not live:
+            raise EnginesLost(f"every rollout engine is lost: prompts {lo}..{hi} of the batch have no engine "
+                              f"to go to; the warnings before this name each engine's cause")
         return [(engine, start, end) for engine, (start, end) in zip(live, shares(lo, hi, len(live)))]
 
     def sent(self, ticket, engine, start: int, end: int) -> None:
@@ -156,6 +159,8 @@ class EnginePool:
         if wanted < 1:
             raise ValueError(f"rollout engines: at least 1 wanted, got {wanted}")
         self.wanted = wanted
+        while self._starting and len(self.engines) + len(self._starting) > wanted:
+            ray.kill(self._starting.popitem()[1][0])
         while len(self.engines) > wanted:
             engine = self.engines[-1]
             with self._lock:
@@ -232,7 +237,6 @@ class EnginePool:
         batch = Redispatch(len(prompts))
 
         def send(lo: int, hi: int) -> None:
-            self._check_live()
             for engine, start, end in batch.send(lo, hi, list(self.engines)):
                 batch.sent(engine.generate.remote(prompts[start:end], n, temperature=temperature,
                                                   max_tokens=max_tokens, seed=seed, group_offset=start, **sampling),
