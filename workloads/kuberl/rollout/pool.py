@@ -179,7 +179,8 @@ class EnginePool:
             index = next(free)
             engine = self._start(index)
             self._starting[engine.vocab_size.remote()] = (engine, index)
-            logger.info("rollout engine %d starting to replace a lost one", index)
+            logger.info("rollout engine %d starting (%d of %d engines live); it joins at the first step "
+                        "boundary after it has started", index, len(self.engines), self.wanted)
         if not self._starting:
             return 0
         ready, _ = ray.wait(list(self._starting), num_returns=len(self._starting), timeout=timeout)
