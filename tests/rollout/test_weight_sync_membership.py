@@ -10,7 +10,6 @@ The pool is given back as it was found: one engine, the initial weights.
 from __future__ import annotations
 
 import threading
-import time
 
 import ray
 
@@ -55,16 +54,16 @@ def test_a_lost_engines_share_is_regenerated_and_its_replacement_serves_the_curr
         sync.sync(version)
         pool.take_counts()
 
-        started = time.perf_counter()
         check_batch(generate(pool), version)  # both engines, nothing lost
-        uninterrupted = time.perf_counter() - started
 
-        # The same batch again; the victim is killed while its share is out.
+        # The same batch again; the victim is killed while its share is out. Its scheduler is
+        # paused first (as for a weight update), so its share cannot finish before the kill.
+        ray.get(victim.pause.remote())
         out: dict = {}
         thread = threading.Thread(target=lambda: out.update(groups=generate(pool)))
         thread.start()
-        time.sleep(uninterrupted / 4)
-        assert thread.is_alive(), "the batch finished before the kill: make it longer"
+        thread.join(timeout=2)
+        assert thread.is_alive(), "the batch finished without the paused engine's share"
         ray.kill(victim)
         thread.join(timeout=START_TIMEOUT)
         assert not thread.is_alive()

@@ -12,6 +12,8 @@ in ``kuberl.train.algorithms.registry``, here and in ``TrainerConfig.from_spec``
 while the trainer trains (``kuberl.driver.schedule`` orders generation, training and weight sync).
 Everything a resumed run needs is in the checkpoint (trainer state, step, weight version, and the
 rollout generated but not yet trained on), so a resumed run continues exactly where it stopped.
+A rollout engine lost mid-step costs no step: the pool regenerates its share on the engines left,
+and a replacement joins at a step boundary with the current weights (``_replenish_engines``).
 """
 
 from __future__ import annotations
