@@ -17,16 +17,21 @@ class Rejoining(standins.Engines):
     def __init__(self, calls):
         super().__init__(calls)
         self.joins = [0, 1]
-        self.lost, self.replaced = 1, 0  # lost during step 0's generation
+        self.lost, self.replaced, self.live = 1, 0, 1  # one of two lost during step 0's generation
+
+    @property
+    def engines(self):
+        return ["engine"] * self.live
 
     def replenish(self):
         joined = self.joins.pop(0)
         self.replaced += joined
+        self.live += joined
         return self.calls.record(f"replenish:{joined}", joined)
 
     def take_counts(self):
         counts = {"engines_lost": float(self.lost), "engines_replaced": float(self.replaced),
-                  "engines_live": 2.0 - self.lost + self.replaced}
+                  "engines_live": float(self.live)}
         self.lost = self.replaced = 0
         return counts
 
