@@ -18,14 +18,14 @@ def test_shares_are_contiguous_and_cover_every_prompt_once():
 
 def test_a_lost_share_is_resent_to_the_engines_left_with_its_own_prompt_indices():
     batch = Redispatch(8)
-    for ticket, (engine, start, end) in enumerate(batch.send(0, 8, ["a", "b"])):
+    for ticket, (engine, start, end) in enumerate(batch.plan(0, 8, ["a", "b"])):
         batch.sent(ticket, engine, start, end)
     assert batch.out == {0: ("a", 0, 4), 1: ("b", 4, 8)}
 
     batch.finished(0, [f"g{i}" for i in range(0, 4)])
     engine, start, end = batch.lost(1)  # "b" died with prompts 4..8 out
     assert (engine, start, end) == ("b", 4, 8)
-    again = batch.send(start, end, ["a"])
+    again = batch.plan(start, end, ["a"])
     assert again == [("a", 4, 8)]
     for ticket, (engine, lo, hi) in enumerate(again, start=2):
         batch.sent(ticket, engine, lo, hi)
@@ -44,4 +44,4 @@ def test_an_answer_with_the_wrong_number_of_groups_is_refused():
 
 def test_with_no_engine_left_the_batch_fails_naming_the_cause():
     with pytest.raises(EnginesLost, match=r"every rollout engine is lost: prompts 4..8"):
-        Redispatch(8).send(4, 8, [])
+        Redispatch(8).plan(4, 8, [])

@@ -55,7 +55,7 @@ class Redispatch:
         self.out: dict[object, tuple[object, int, int]] = {}  # ticket -> (engine, start, end)
         self.done: dict[int, list] = {}  # start -> that share's groups
 
-    def send(self, lo: int, hi: int, live: list) -> list[tuple[object, int, int]]:
+    def plan(self, lo: int, hi: int, live: list) -> list[tuple[object, int, int]]:
         """The (engine, start, end) requests to make for prompts ``lo..hi`` over ``live``."""
         if not live:
             raise EnginesLost(f"every rollout engine is lost: prompts {lo}..{hi} of the batch have no engine "
@@ -238,7 +238,7 @@ class EnginePool:
         batch = Redispatch(len(prompts))
 
         def send(lo: int, hi: int) -> None:
-            for engine, start, end in batch.send(lo, hi, list(self.engines)):
+            for engine, start, end in batch.plan(lo, hi, list(self.engines)):
                 batch.sent(engine.generate.remote(prompts[start:end], n, temperature=temperature,
                                                   max_tokens=max_tokens, seed=seed, group_offset=start, **sampling),
                            engine, start, end)
