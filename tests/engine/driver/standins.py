@@ -36,6 +36,12 @@ class Engines:
     def sleep(self):
         self.calls.record("sleep")
 
+    def replenish(self):  # the pool's step-boundary call: a stand-in never loses an engine
+        return 0
+
+    def take_counts(self):
+        return {}
+
     def wake_up(self):
         self.calls.record("wake_up")
 
@@ -61,6 +67,9 @@ class Sync:
 
     def sync(self, version):
         self.calls.record("sync")
+
+    def rebuild(self):  # the stand-in's engines never change
+        return False
 
 
 def standin_driver(tmp_path: Path, calls: Calls, *, colocate: bool = False,

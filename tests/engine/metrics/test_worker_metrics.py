@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry
 from kuberl.common.metrics import LABELS, Identity, WorkerMetrics, record_step
 
 IDENTITY = Identity(job="grpo", namespace="team-a", role="trainer", rank="3")
-PREFIXES = ("kuberl_train_", "kuberl_rollout_", "kuberl_sync_", "kuberl_checkpoint_", "kuberl_stage_")
+PREFIXES = ("kuberl_train_", "kuberl_rollout_", "kuberl_sync_", "kuberl_checkpoint_", "kuberl_stage_",
+            "kuberl_recoveries")
 UNITLESS = {"kuberl_train_step", "kuberl_train_reward_mean", "kuberl_train_kl", "kuberl_train_loss",
             "kuberl_train_pg_loss", "kuberl_train_grad_norm", "kuberl_train_validation_reward"}
 
@@ -24,6 +25,7 @@ DRIVER_STEP = {
     "reward_mean": 0.75, "reward_std": 0.2, "response_length": 12.5, "step_seconds": 1.25,
     "tokens_per_second": 512.0, "weight_sync_seconds": 0.05, "weight_sync_bytes": 4096, "step": 5, "mfu": 0.31,
     "clip_frac": 0.05, "generate_seconds": 0.75, "update_seconds": 0.25,
+    "engines_lost": 1.0, "engines_replaced": 0.0, "engines_live": 1.0,
 }
 
 
@@ -67,7 +69,7 @@ def test_names_carry_units_and_every_series_the_four_labels(registry):
     for family in families:
         assert family.name.startswith(PREFIXES), family.name
         if family.type == "counter":
-            assert family.name.endswith(("_bytes", "_seconds", "_tokens", "_steps", "_saves")), family.name
+            assert family.name.endswith(("_bytes", "_seconds", "_tokens", "_steps", "_saves", "_recoveries")), family.name
         elif family.type == "histogram":
             assert family.name.endswith("_seconds"), family.name
         elif family.name not in UNITLESS:
@@ -97,6 +99,7 @@ def test_record_step_exports_the_driver_dict(registry):
     assert value(registry, "kuberl_train_phase_duration_seconds_sum", phase="generate") == 1.5
     assert value(registry, "kuberl_train_phase_duration_seconds_count", phase="update") == 2
     assert value(registry, "kuberl_train_phase_duration_seconds_count", phase="sleep") is None  # not colocated
+    assert value(registry, "kuberl_recoveries_total", kind="engine") == 2  # one engine lost in each step
 
 
 def test_rollout_checkpoint_and_stage_records(registry):

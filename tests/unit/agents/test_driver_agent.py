@@ -37,6 +37,12 @@ class Engines:
     def generate(self, *args, **kwargs):
         raise AssertionError("agent steps sample through the endpoint, not EnginePool.generate")
 
+    def replenish(self):  # the pool's step-boundary call: a stand-in never loses an engine
+        return 0
+
+    def take_counts(self):
+        return {}
+
 
 @pytest.fixture
 def driver(tmp_path):

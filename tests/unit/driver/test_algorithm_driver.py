@@ -29,6 +29,12 @@ class Engines:
         self.calls.append((len(prompts), seed))
         return [[Sample(prompt_ids=list(p), response_ids=list(RESPONSE)) for _ in range(n)] for p in prompts]
 
+    def replenish(self):  # the pool's step-boundary call: a stand-in never loses an engine
+        return 0
+
+    def take_counts(self):
+        return {}
+
 
 class Trainer:
     def __init__(self):
@@ -47,6 +53,9 @@ class Trainer:
 class Sync:
     def sync(self, version):
         return None
+
+    def rebuild(self):  # the stand-in's engines never change
+        return False
 
 
 class Rewards:

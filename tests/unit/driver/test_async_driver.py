@@ -51,6 +51,12 @@ class Engines:
             out.append(group)
         return out
 
+    def replenish(self):  # the pool's step-boundary call: a stand-in never loses an engine
+        return 0
+
+    def take_counts(self):
+        return {}
+
 
 class Trainer:
     def __init__(self, engines: Engines):
@@ -84,6 +90,9 @@ class Sync:
 
     def sync(self, version):
         self.engines.version = version
+
+    def rebuild(self):  # the stand-in's engines never change
+        return False
 
 
 def rewards(inputs):

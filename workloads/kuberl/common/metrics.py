@@ -127,6 +127,8 @@ class WorkerMetrics:
         self.checkpoints = counter("kuberl_checkpoint_saves_total", "Checkpoints saved")
         self.stage_bytes = counter("kuberl_stage_bytes_total", "Bytes staged (downloaded) into the pod")
         self.stage_seconds = counter("kuberl_stage_seconds_total", "Seconds spent staging")
+        self.recoveries = Counter("kuberl_recoveries", "Failures the job recovered from without a restart (label kind)",
+                                  [*labels, "kind"], registry=registry)
 
     def _mine(self, family):
         """This process's series of ``family`` (created at 0 on first use)."""
@@ -147,6 +149,8 @@ class WorkerMetrics:
         for phase in STEP_PHASES:
             if metrics.get(f"{phase}_seconds") is not None:
                 self.phase_duration.labels(*self.values, phase).observe(float(metrics[f"{phase}_seconds"]))
+        if metrics.get("engines_lost"):  # the step completed on the engines left
+            self.recoveries.labels(*self.values, "engine").inc(float(metrics["engines_lost"]))
         if metrics.get("weight_sync_seconds") is not None:
             self._mine(self.sync_duration).observe(float(metrics["weight_sync_seconds"]))
             self._mine(self.sync_bytes).inc(float(metrics.get("weight_sync_bytes") or 0))

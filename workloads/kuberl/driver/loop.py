@@ -12,6 +12,8 @@ in ``kuberl.train.algorithms.registry``, here and in ``TrainerConfig.from_spec``
 while the trainer trains (``kuberl.driver.schedule`` orders generation, training and weight sync).
 Everything a resumed run needs is in the checkpoint (trainer state, step, weight version, and the
 rollout generated but not yet trained on), so a resumed run continues exactly where it stopped.
+A rollout engine lost mid-step costs no step: the pool regenerates its share on the engines left,
+and a replacement joins at a step boundary with the current weights (``_replenish_engines``).
 """
 
 from __future__ import annotations
@@ -337,6 +339,7 @@ class Driver:
 
         started = time.perf_counter()
         self._timing.phases = {}
+        self._replenish_engines()
         actions = schedule.step_actions(step, self.total_steps, one_step_async=self.spec.algorithm.async_rollout,
                                         held=step in self._rollouts)
         for action in actions:
@@ -353,7 +356,7 @@ class Driver:
                 self._rollouts[action.step].result()
             else:
                 self.weight_version = action.version
-                sync = self.weight_sync.sync(action.version)
+                sync = self._sync_weights(action.version)
         elapsed = time.perf_counter() - started
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         rewards = torch.tensor(task_rewards, dtype=torch.float64)
@@ -365,9 +368,24 @@ class Driver:
                        weight_sync_seconds=getattr(sync, "seconds", 0.0),
                        weight_sync_bytes=getattr(sync, "bytes", 0))
         metrics.update({f"{phase}_seconds": seconds for phase, seconds in self._timing.phases.items()})
+        metrics.update(self.engines.take_counts())
         if self._checkpoint_stall is not None:  # the checkpoint after the step before
             metrics["checkpoint_stall_seconds"], self._checkpoint_stall = self._checkpoint_stall, None
         return StepResult(step, metrics["reward_mean"], metrics, rewards.tolist())
+
+    def _replenish_engines(self) -> None:
+        """At the step boundary (nothing generating): engines lost earlier are replaced as their
+        replacements come up (``EnginePool.replenish``, never waiting for one); those that joined
+        get the current weights before they serve, so their samples carry this weight version."""
+        if self.engines.replenish():
+            self._sync_weights(self.weight_version)
+
+    def _sync_weights(self, version: int):
+        """The weights of ``version`` to every live engine, the sync's group first rebuilt if an
+        engine was lost or joined since it was set up."""
+        if self.weight_sync.rebuild():
+            log.info("weight sync rebuilt for %d live rollout engines", len(self.engines.engines))
+        return self.weight_sync.sync(version)
 
     def _update(self, step: int, samples: list[Sample]) -> dict[str, float]:
         """Advantages, the log-probs the algorithm needs, and the policy updates on one rollout."""

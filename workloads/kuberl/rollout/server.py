@@ -268,7 +268,8 @@ def make_app(pool, tokenizer, episodes: EpisodeLog | None = None) -> Starlette:
                                 f"context of {max_model_len} tokens", param=tokens_field)
 
     def engine_for(request: Request, user: str | None, key: str | None = None):
-        return pool.engines[router.route(request.headers.get(SESSION_HEADER) or user or key)]
+        engines = pool.engines  # fewer than the router was made for while a lost engine is replaced
+        return engines[router.route(request.headers.get(SESSION_HEADER) or user or key) % len(engines)]
 
     async def episode_prompt(key: str | None, chat: list[dict],
                              tools: list[dict] | None = None) -> tuple[list[int], bool]:

@@ -32,11 +32,23 @@ class WeightSync(abc.ABC):
         self.bucket_bytes = spec.weight_sync.bucket_size_mb * 1024 * 1024
         self.engine_info: EngineInfo | None = None
         self._metas: list | None = None
+        self.members: tuple = ()  # the engines ``setup`` wired
+
+    def rebuild(self) -> bool:
+        """If the pool's live engines are not those ``setup`` wired (one lost, or one joined at a
+        step boundary), tear down and set up again for the engines live now (nccl: a new process
+        group); True if it did."""
+        if self.members == self.engine_pool.members:
+            return False
+        self.close()
+        self.setup()
+        return True
 
     def setup(self) -> None:
         """One-time wiring; call before the first ``sync``. Every transport needs the engines'
         dtype (the wire dtype) and the parameters' metadata in it; a transport that needs more
         (nccl's process group) extends this."""
+        self.members = self.engine_pool.members
         self.engine_info = EngineInfo(self.engine_pool)
         self._metas = self.trainer_group.execute(metas, self.engine_info.dtype)[0]
 
