@@ -3,7 +3,7 @@
 The renderer writes them into the objects it makes; the operator finds those objects by them; the
 driver, the trainer ranks, the stager and the metrics exporter read them inside the pods. Each side
 imports them from here, so that none needs the other's module for a name (the operator does not
-import the renderer for names: tests/test_contract.py checks both). Plain values and string
+import the renderer for names: tests/unit/test_contract.py checks both). Plain values and string
 functions only, importing nothing of kuberl: the operator, the stager image and every worker import
 it.
 """

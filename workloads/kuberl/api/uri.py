@@ -39,7 +39,7 @@ _CLAIM_RE = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
 @dataclass(frozen=True)
 class SchemeInfo:
     """Everything kuberl decides per storage scheme; a new scheme is one entry in SCHEMES, and no
-    code outside this table asks for a scheme by name (tests/test_uri.py keeps it so)."""
+    code outside this table asks for a scheme by name (tests/unit/test_uri.py keeps it so)."""
 
     name: Scheme
     # The CRD pattern of this scheme's URIs after "<scheme>://" (None: absolute paths, "/...").
@@ -280,7 +280,7 @@ def in_pod_path(parsed: ParsedURI, staged_dir: str) -> str:
     if parsed.info.staged:
         return staged_dir
     on_disk = parsed.on_disk(PVC_ROOT)
-    assert on_disk is not None, "every scheme is staged or on disk (tests/test_uri.py checks the table)"
+    assert on_disk is not None, "every scheme is staged or on disk (tests/unit/test_uri.py checks the table)"
     return on_disk
 
 
