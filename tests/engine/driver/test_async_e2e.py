@@ -15,13 +15,12 @@ so it is measured by bench/async_rollout.py (a ratio within one run), not assert
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.engine.driver.test_grpo_e2e import RUN_TIMEOUT_S, STEPS, kill_group, metrics, start_driver, tail, wait
+from tests.engine.driver.test_grpo_e2e import STEPS, metrics, run_until_step_10_is_committed, start_driver, wait
 
 pytest.importorskip("vllm")
 pytest.importorskip("ray")
@@ -82,16 +81,7 @@ def test_killed_async_driver_resumes_from_s3_bit_identically(run_a, s3_root):
     tmp, uninterrupted = run_a
     fs, env = s3_root
     config = write_config(tmp, f"s3://{BUCKET}/run-b")
-    run_b = start_driver(config, tmp / "b", env)
-    try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not (fs.exists(f"{BUCKET}/run-b/step-000000010/COMPLETE") and fs.exists(f"{BUCKET}/run-b/latest")):
-            assert run_b.poll() is None, f"run B exited {run_b.returncode}:\n{tail(tmp / 'b' / 'driver.log')}"
-            assert time.monotonic() < deadline, "run B wrote no step-10 checkpoint in time"
-            time.sleep(0.2)
-            fs.invalidate_cache()
-    finally:
-        kill_group(run_b)
+    run_until_step_10_is_committed(fs, f"{BUCKET}/run-b", config, tmp / "b", env)
     driver_state = json.loads(fs.cat_file(f"{BUCKET}/run-b/step-000000010/driver.json"))
     held = driver_state["rollout"]["samples"]
     assert {s["weight_version"] for s in held} == {9} and all(s["response_logprobs"] for s in held)

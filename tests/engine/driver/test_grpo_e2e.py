@@ -81,6 +81,21 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait(timeout=60)
 
 
+def run_until_step_10_is_committed(fs, root: str, config: Path, run_dir: Path, s3_env: dict[str, str]) -> None:
+    """Start a driver and kill its process group once the step-10 checkpoint under ``root`` (a
+    bucket path) is committed (``COMPLETE`` and ``latest``): a run killed mid-way, to resume."""
+    run = start_driver(config, run_dir, s3_env)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (fs.exists(f"{root}/step-000000010/COMPLETE") and fs.exists(f"{root}/latest")):
+            assert run.poll() is None, f"the run exited {run.returncode}:\n{tail(run_dir / 'driver.log')}"
+            assert time.monotonic() < deadline, "the run wrote no step-10 checkpoint in time"
+            time.sleep(0.2)
+            fs.invalidate_cache()
+    finally:
+        kill_group(run)
+
+
 def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
@@ -142,16 +157,7 @@ def test_killed_driver_resumes_from_s3_bit_identically(run_a, s3_root):
     tmp, uninterrupted = run_a
     fs, bucket, env = s3_root
     config = write_config(tmp, f"s3://{bucket}/run-b")
-    run_b = start_driver(config, tmp / "b", env)
-    try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not (fs.exists(f"{bucket}/run-b/step-000000010/COMPLETE") and fs.exists(f"{bucket}/run-b/latest")):
-            assert run_b.poll() is None, f"run B exited {run_b.returncode}:\n{tail(tmp / 'b' / 'driver.log')}"
-            assert time.monotonic() < deadline, "run B wrote no step-10 checkpoint in time"
-            time.sleep(0.2)
-            fs.invalidate_cache()
-    finally:
-        kill_group(run_b)
+    run_until_step_10_is_committed(fs, f"{bucket}/run-b", config, tmp / "b", env)
     assert fs.cat_file(f"{bucket}/run-b/latest") == b"step-000000010"
     killed_at = max(metrics(tmp / "b"))
     assert 10 <= killed_at < STEPS
