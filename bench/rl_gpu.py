@@ -4,7 +4,7 @@ One run measures, on the same random-weight model (Qwen2.5-1.5B's shape, bench/r
 the same prompts (exactly ``--prompt-tokens`` chat tokens each) and the same lengths:
 
 1. the GPU: bf16 matmul rate (8192^3, median of 20) and HBM bandwidth (a 4 GiB device copy);
-2. generation alone, raw ``vllm.LLM.generate`` twice: with TRL's colocate-mode settings
+2. generation alone, raw ``vllm.LLM.generate`` three times: with TRL's colocate-mode settings
    (``gpu_memory_utilization`` 0.3, ``max_num_batched_tokens`` 4096, one request per sample,
    detokenized), and with kuberl's own engine arguments and sampling parameters
    (``kuberl.rollout.engine.engine_kwargs`` / ``rollout_sampling_params``);
@@ -15,7 +15,10 @@ the same prompts (exactly ``--prompt-tokens`` chat tokens each) and the same len
 
 Each piece runs in a subprocess of its own (a fresh CUDA context, all memory back between
 them); the parent prints the tables and the ratios and writes ``--json``. Steps after the first
-are measured (the first compiles and captures graphs). Generation is also put against its
+are measured (the first compiles and captures graphs), as the median of the rest; both sides save
+the weights and the optimizer state every ``--checkpoint-interval`` steps, and a step's cost
+includes its share of that: kuberl's stall when a save starts (its wait inside the next update
+is in the update), TRL's save, which runs outside its step clock. Generation is also put against its
 roofline: per decode step, the weights plus the KV cache read at the measured HBM bandwidth, or
 the FLOPs at the measured matmul rate, whichever is longer.
 
@@ -168,7 +171,7 @@ def trl_engine_settings(args) -> tuple[dict, dict]:
 
 
 def run_generate(args, work: Path) -> dict:
-    """Raw ``LLM.generate`` of one step's batch, twice (the second is reported), with
+    """Raw ``LLM.generate`` of one step's batch, three times (the median of the last two is reported), with
     ``args.engine``'s settings; also where the engine's start went."""
     # The parent process asked torch about CUDA: vLLM's engine core must not be forked from it.
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
@@ -205,7 +208,7 @@ def run_generate(args, work: Path) -> dict:
         seconds = time.perf_counter() - begin
         return {"seconds": seconds, "response_tokens": sum(len(c.token_ids) for o in outputs for c in o.outputs)}
 
-    rounds = [timed(params), timed(params)]  # the first pays one-time costs; the second is reported
+    rounds = [timed(params) for _ in range(3)]  # the first pays one-time costs; the median of the rest is reported
     extra = {"unseeded_round": timed(unseeded)} if args.engine == "kuberl" else {}
     config = llm.llm_engine.vllm_config
     result = {"engine": args.engine, "vllm": vllm.__version__, "import_seconds": imported - started,
@@ -274,15 +277,23 @@ def run_trl(args, work: Path) -> dict:
         return out
 
     step_times: list[float] = []
+    save_times: list[float] = []
 
     class StepClock(TrainerCallback):
+        """TRL's step on its own clock, and its checkpoint saves apart: the Trainer saves after
+        ``on_step_end`` and calls ``on_save`` when the save is done."""
+
         def on_step_begin(self, *_, **__):
             torch.cuda.synchronize()
             self.begin = time.perf_counter()
 
         def on_step_end(self, *_, **__):
             torch.cuda.synchronize()
-            step_times.append(time.perf_counter() - self.begin)
+            self.end = time.perf_counter()
+            step_times.append(self.end - self.begin)
+
+        def on_save(self, *_, **__):
+            save_times.append(time.perf_counter() - self.end)
 
     per_device = args.micro_batch
     config = GRPOConfig(
@@ -300,7 +311,7 @@ def run_trl(args, work: Path) -> dict:
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry or "reward" in entry]
     return {"trl": trl.__version__, "start_seconds": ready - started, "wall_seconds": time.perf_counter() - started,
-            "step_seconds": step_times, "phases": phases, "logs": logs,
+            "step_seconds": step_times, "save_seconds": save_times, "phases": phases, "logs": logs,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
@@ -347,22 +358,26 @@ def summarize(results: dict, args) -> dict:
     for engine in GENERATE_ENGINES:
         gen = results.get(f"generate-{engine}", {})
         if gen.get("rounds"):
-            last = gen["rounds"][-1]
-            row = {"seconds": last["seconds"], "tokens_per_second": ratio(last["response_tokens"], last["seconds"])}
+            warm = gen["rounds"][1:] or gen["rounds"]
+            seconds = statistics.median(r["seconds"] for r in warm)
+            tokens = statistics.median(r["response_tokens"] for r in warm)
+            row = {"seconds": seconds, "tokens_per_second": ratio(tokens, seconds)}
             if "roofline" in summary:
-                row["share_of_roofline"] = ratio(summary["roofline"]["seconds"], last["seconds"])
+                row["share_of_roofline"] = ratio(summary["roofline"]["seconds"], seconds)
             summary[f"raw_generate_{engine}_settings"] = row
         if gen.get("unseeded_round"):
             last = gen["unseeded_round"]
             summary[f"raw_generate_{engine}_settings_unseeded"] = {
                 "seconds": last["seconds"], "tokens_per_second": ratio(last["response_tokens"], last["seconds"]),
-                "seeded_over_unseeded_seconds": ratio(gen["rounds"][-1]["seconds"], last["seconds"])}
+                "seeded_over_unseeded_seconds": ratio(summary[f"raw_generate_{engine}_settings"]["seconds"],
+                                                      last["seconds"])}
     ku = results.get("kuberl", {})
     if ku.get("steps"):
         steps = [s for s in ku["steps"] if s.get("step", 0) >= 2 and "step_seconds" in s]
         tokens = args.prompts * args.group_size * (args.prompt_tokens + args.response_tokens)
         phases = {phase: measured(steps, f"{phase}_seconds") for phase in
-                  ("generate", "reward", "logprobs", "update", "weight_sync", "sleep", "wake", "checkpoint_stall")}
+                  ("generate", "reward", "logprobs", "update", "checkpoint_wait", "weight_sync", "sleep", "wake",
+                   "checkpoint_stall")}
         step = measured(steps, "step_seconds") + phases["checkpoint_stall"] / max(1, args.checkpoint_interval)
         summary["kuberl"] = {"step_seconds": step, "tokens_per_second": ratio(tokens, step), "phases": phases,
                              "reward_first": ku["steps"][0].get("reward_mean"),
@@ -381,10 +396,15 @@ def summarize(results: dict, args) -> dict:
             by_name.setdefault(name, []).append(seconds)
         # Per step: TRL generates once per step (steps_per_generation = gradient_accumulation_steps).
         per_step = {name: sum(v) / len(tr["step_seconds"]) for name, v in by_name.items()}
-        step = statistics.median(steps)
+        # Its saves run outside its step clock; like kuberl's checkpoint stall, one per interval
+        # is part of a step's cost (both save the weights and the optimizer state as often).
+        save = statistics.median(tr["save_seconds"]) if tr.get("save_seconds") else 0.0
+        step_clock = statistics.median(steps)
+        step = step_clock + save / max(1, args.checkpoint_interval)
         # TRL names its timers after the method: "GRPOTrainer.vLLM.generate" in 1.16.
         generate = next((v for name, v in per_step.items() if name.endswith("vLLM.generate")), None)
-        summary["trl"] = {"step_seconds": step, "tokens_per_second": ratio(tokens, step), "phases_per_step": per_step,
+        summary["trl"] = {"step_seconds": step, "step_clock_seconds": step_clock, "save_seconds": save,
+                          "tokens_per_second": ratio(tokens, step), "phases_per_step": per_step,
                           "generate_seconds": generate}
         if "roofline" in summary:
             summary["trl"]["generate_share_of_roofline"] = ratio(summary["roofline"]["seconds"], generate)
@@ -403,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--response-tokens", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4, help="step 1 warms up; the median of the rest is reported")
     parser.add_argument("--checkpoint-interval", type=int, default=2)
     parser.add_argument("--micro-batch", type=int, default=8, help="samples per forward/backward")
     parser.add_argument("--micro-batch-tokens", type=int, default=16384, help="kuberl's packed micro-batches")

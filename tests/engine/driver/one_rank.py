@@ -15,7 +15,7 @@ from kuberl.train.worker import TrainerWorker
 
 class OneRank(TrainerWorker):
     def __init__(self, layers: int = 2, dim: int = 64, seed: int = 0, *, rank: int = 0, world_size: int = 1,
-                 port: int | None = None):  # noqa: D107 - no super(): no model to load
+                 port: int | None = None, device: str = "cpu"):  # noqa: D107 - no super(): no model to load
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -24,19 +24,19 @@ class OneRank(TrainerWorker):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", 0))
                     port = s.getsockname()[1]
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                    world_size=world_size)
-        self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
+            dist.init_process_group("gloo" if device == "cpu" else "cpu:gloo,cuda:nccl",
+                                    init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         torch.manual_seed(seed)
-        mesh = init_device_mesh("cpu", (world_size,))
-        self.model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
+        mesh = init_device_mesh(self.device.type, (world_size,))
+        self.model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)]).to(self.device)
         for layer in self.model:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
         self.optimizer_steps = self.skipped_steps = 0
-        self.before_update = lambda: None
+        self.before_update = lambda: 0.0
         self.step()
 
     def step(self, data_seed: int | None = None) -> float:
@@ -44,7 +44,7 @@ class OneRank(TrainerWorker):
         over ranks. ``data_seed``: this step's batch from its own generator, else the global RNG."""
         dim = self.model[0].in_features
         gen = None if data_seed is None else torch.Generator().manual_seed(data_seed)
-        loss = self.model(torch.randn(4, dim, generator=gen)).square().mean()
+        loss = self.model(torch.randn(4, dim, generator=gen).to(self.device)).square().mean()
         loss.backward()
         reduced = loss.detach().clone()
         dist.all_reduce(reduced)

@@ -73,7 +73,7 @@ def test_background_save_commit_prune_restore(s3, tmp_path, rank, fmt, monkeypat
         assert state == {"weight_version": 6, "step": 6}
         assert rank.values() == saved[6]  # the state when save was called, not after the step
     finally:
-        rank.before_update = lambda: None
+        rank.before_update = lambda: 0.0
         saver.close()
 
 

@@ -24,7 +24,7 @@ DRIVER_STEP = {
     "grad_norm": 0.9, "lr": 1e-6, "skipped": 0.0, "skipped_total": 0.0, "optimizer_steps": 5.0,
     "reward_mean": 0.75, "reward_std": 0.2, "response_length": 12.5, "step_seconds": 1.25,
     "tokens_per_second": 512.0, "weight_sync_seconds": 0.05, "weight_sync_bytes": 4096, "step": 5, "mfu": 0.31,
-    "clip_frac": 0.05, "generate_seconds": 0.75, "update_seconds": 0.25,
+    "clip_frac": 0.05, "generate_seconds": 0.75, "update_seconds": 0.25, "checkpoint_wait_seconds": 0.125,
     "engines_lost": 1.0, "engines_replaced": 0.0, "engines_live": 1.0,
 }
 
@@ -98,6 +98,7 @@ def test_record_step_exports_the_driver_dict(registry):
     assert value(registry, "kuberl_sync_bytes_total") == 8192
     assert value(registry, "kuberl_train_phase_duration_seconds_sum", phase="generate") == 1.5
     assert value(registry, "kuberl_train_phase_duration_seconds_count", phase="update") == 2
+    assert value(registry, "kuberl_train_phase_duration_seconds_sum", phase="checkpoint_wait") == 0.25
     assert value(registry, "kuberl_train_phase_duration_seconds_count", phase="sleep") is None  # not colocated
     assert value(registry, "kuberl_recoveries_total", kind="engine") == 2  # one engine lost in each step
 

@@ -39,7 +39,7 @@ def test_mini_batches_keep_groups_whole_and_in_order():
 
 def test_merged_metrics_weight_updates_by_their_tokens():
     base = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "aux_loss": 0.0, "lr": 1e-6,
-            "skipped": 0.0, "skipped_total": 0.0, "optimizer_steps": 1.0}
+            "skipped": 0.0, "skipped_total": 0.0, "optimizer_steps": 1.0, "checkpoint_wait": 0.0}
     merged = merge_update_metrics([{**base, "clip_frac": 0.0, "tokens": 30.0, "grad_norm": 1.0},
                                    {**base, "clip_frac": 0.4, "tokens": 10.0, "grad_norm": 3.0, "optimizer_steps": 2.0}])
     assert merged["clip_frac"] == pytest.approx(0.1)

@@ -32,7 +32,8 @@ LABELS = ("job", "namespace", "role", "rank")
 SYNC_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # The driver's per-step phases (its ``<phase>_seconds`` metrics), as the ``phase`` label of
 # kuberl_train_phase_duration_seconds: where a step's time goes. Weight sync has its own family.
-STEP_PHASES = ("generate", "reward", "logprobs", "update", "sleep", "wake", "checkpoint_stall")
+# checkpoint_wait is part of update: its wait for the last checkpoint to finish reading the state.
+STEP_PHASES = ("generate", "reward", "logprobs", "update", "sleep", "wake", "checkpoint_stall", "checkpoint_wait")
 STEP_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 # record_step keys -> gauge attribute; the values are the latest step's.

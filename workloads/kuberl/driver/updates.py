@@ -61,7 +61,9 @@ def merge_update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
     out.update(grad_norm=sum(norms) / len(norms), grad_norm_max=max(norms), lr=updates[-1]["lr"],
                tokens=float(sum(tokens)),  # trained tokens over all updates (epochs repeat them)
                skipped=float(sum(u["skipped"] for u in updates)), skipped_total=updates[-1]["skipped_total"],
-               optimizer_steps=updates[-1]["optimizer_steps"], updates=float(len(updates)))
+               optimizer_steps=updates[-1]["optimizer_steps"], updates=float(len(updates)),
+               # Inside update_seconds: the first update waiting for the last checkpoint's copy.
+               checkpoint_wait_seconds=sum(u["checkpoint_wait"] for u in updates))
     return out
 
 

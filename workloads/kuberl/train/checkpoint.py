@@ -14,9 +14,15 @@ A checkpoint ``<root>/step-<n>/`` holds
 Saving (``RankCheckpointer.save``, collective): rank 0 first withdraws any earlier copy of the
 step (``kuberl.storage.withdraw_from``); then each rank hands its live state to a background
 thread that writes it into the rank's own scratch directory and uploads it. Training goes on at
-once: the state is not copied, so the rank's next optimizer step waits (``fence``) until the
-write has read it; the rollout of the next step, which never touches the trainer's state,
-overlaps the write, and the upload overlaps everything. The driver
+once. The rank's next optimizer step waits (``fence``) until the thread has read the live state:
+- on a GPU the thread first copies the state into pinned host memory (torch's ``DefaultStager``,
+  the buffers kept from one checkpoint to the next), on a stream of its own, so the next update
+  waits for that copy alone (about a second for 18 GB of a 1.5B model's weights and AdamW state
+  on an H200, where writing them took 10 s), and the write and upload read the copy;
+- on CPU the live tensors are written as they are (a copy would double the rank's memory for
+  nothing: writing from memory is the copy).
+The rollout of the next step, which never touches the trainer's state, overlaps the copy or the
+write, and the upload overlaps everything. The driver
 (``kuberl.driver.checkpoints.CheckpointManager``) waits in a thread of its own for every rank's
 upload to be durable, then has rank 0 commit, then prune.
 
@@ -114,12 +120,26 @@ class RankCheckpointer:
         self._written = threading.Event()
         self._written.set()
         self._uploads: dict[int, Future] = {}
+        self._stager, self._copy_stream = None, None
+        if worker.device.type == "cuda":
+            import torch
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # Synchronous staging inside the writer thread (the thread is the asynchrony), copies
+            # enqueued without blocking on the stream below; the stream is made here, on the
+            # rank's own thread, after the default stream is in use (as torch's stager asks).
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=True))
+            self._copy_stream = torch.cuda.Stream(worker.device)
 
     # --- saving ------------------------------------------------------------------------------
 
-    def fence(self) -> None:
-        """Block until the last save has read the live state: call before changing it."""
+    def fence(self) -> float:
+        """Block until the last save has read the live state: call before changing it. Returns
+        the seconds it waited (the part of a checkpoint's cost that training sees later)."""
+        started = time.perf_counter()
         self._written.wait()
+        return time.perf_counter() - started
 
     def save(self, step: int) -> float:
         """Start checkpoint ``step`` of this rank (collective). Returns the seconds it blocked."""
@@ -134,6 +154,11 @@ class RankCheckpointer:
         local = self.scratch / f"step-{step}"
         shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True)
+        if self._copy_stream is not None:
+            import torch
+
+            # The copies start after everything training has queued so far (the last update).
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.worker.device))
         self._written.clear()
         self._uploads[step] = self._writer.submit(self._write_and_upload, step, state, extra, local)
         return time.perf_counter() - started
@@ -144,8 +169,11 @@ class RankCheckpointer:
 
         try:
             started = time.perf_counter()
-            if self.worker.device.type == "cuda":
+            if self._stager is not None:
                 torch.cuda.set_device(self.worker.device)
+                with torch.cuda.stream(self._copy_stream):
+                    state = self._stager.stage(state)
+                self._written.set()  # training may change the live state: the write reads the copy
             trainer_dir = local / TRAINER_DIR
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(trainer_dir)), process_group=self.group)
             torch.save(extra, trainer_dir / extra_name(self.rank, self.world_size))
@@ -178,6 +206,8 @@ class RankCheckpointer:
     def close(self) -> None:
         """Wait for the writes and uploads under way (their errors are the driver's to see)."""
         self._writer.shutdown(wait=True)
+        if self._stager is not None:
+            self._stager.close()  # unpins and frees the host copy
 
     # --- restoring ---------------------------------------------------------------------------
 

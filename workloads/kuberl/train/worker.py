@@ -201,8 +201,9 @@ class TrainerWorker:
         self.optimizer_steps = 0
         self.skipped_steps = 0
         # Called before anything changes the model or optimizer state: a checkpoint being written
-        # from the live state in the background (kuberl.train.checkpoint) waits there.
-        self.before_update: Callable[[], None] = lambda: None
+        # from the live state in the background (kuberl.train.checkpoint) waits there; returns
+        # the seconds it waited.
+        self.before_update: Callable[[], float] = lambda: 0.0
         self.pad_id = self.hf_config.pad_token_id if self.hf_config.pad_token_id is not None else 0
 
     # ---- batching -------------------------------------------------------------------------
@@ -344,6 +345,7 @@ class TrainerWorker:
         dist.all_reduce(reduced)
         lr = self.scheduler.get_last_lr()[0]
         skipped = bool(reduced[-1].item() > 0)
+        checkpoint_wait = 0.0
         if skipped:
             # No optimizer.step(): AdamW with zero grads would still decay weights, move the
             # moments and advance its step count. Parameters, moments, step and LR stay as they are.
@@ -351,7 +353,7 @@ class TrainerWorker:
             log.warning("rank %d: non-finite grad norm %s; update skipped (%d so far)",
                         self.rank, grad_norm.item(), self.skipped_steps)
         else:
-            self.before_update()
+            checkpoint_wait = self.before_update()
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer_steps += 1
@@ -365,6 +367,7 @@ class TrainerWorker:
             "clip_frac": values["clipped_tokens"] / tokens if tokens else 0.0,
             "tokens": tokens, "skipped": 1.0 if skipped else 0.0,
             "skipped_total": float(self.skipped_steps), "optimizer_steps": float(self.optimizer_steps),
+            "checkpoint_wait": checkpoint_wait,
         }
 
     # ---- state ----------------------------------------------------------------------------
