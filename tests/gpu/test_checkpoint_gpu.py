@@ -14,7 +14,7 @@ from tests.engine.driver.one_rank import OneRank
 
 
 def test_a_gpu_checkpoint_is_staged_and_holds_the_state_at_save(tmp_path):
-    rank = OneRank(layers=8, dim=1024, device="cuda")  # 8.4M parameters: 101 MB with AdamW's moments
+    rank = OneRank(layers=8, dim=1024, device="cuda:0")  # 8.4M parameters: 101 MB with AdamW's moments
     root = str(tmp_path / "checkpoints")
     spec = Checkpoints(root=root, interval_steps=1, keep=2, format="dcp", export_hugging_face=False, export_uri=None)
     saver = RankCheckpointer(rank, spec, tmp_path / "scratch")

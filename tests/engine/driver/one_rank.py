@@ -19,6 +19,8 @@ class OneRank(TrainerWorker):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        if device != "cpu":
+            torch.cuda.set_device(device)  # before the process group: NCCL binds to it
         if not dist.is_initialized():
             if port is None:
                 with socket.socket() as s:

@@ -15,10 +15,11 @@ Saving (``RankCheckpointer.save``, collective): rank 0 first withdraws any earli
 step (``kuberl.storage.withdraw_from``); then each rank hands its live state to a background
 thread that writes it into the rank's own scratch directory and uploads it. Training goes on at
 once. The rank's next optimizer step waits (``fence``) until the thread has read the live state:
-- on a GPU the thread first copies the state into pinned host memory (torch's ``DefaultStager``,
-  the buffers kept from one checkpoint to the next), on a stream of its own, so the next update
-  waits for that copy alone (about a second for 18 GB of a 1.5B model's weights and AdamW state
-  on an H200, where writing them took 10 s), and the write and upload read the copy;
+- on a GPU the thread first copies the state into pinned host memory (torch's
+  ``BlockingAsyncStager``, the buffers kept from one checkpoint to the next), on a stream of its
+  own, so the next update waits for that copy alone, at host-memory speed rather than the disk's,
+  and the write and upload read the copy. The rank's host memory holds a copy of its shard of
+  the weights and the optimizer state from the first checkpoint on;
 - on CPU the live tensors are written as they are (a copy would double the rank's memory for
   nothing: writing from memory is the copy).
 The rollout of the next step, which never touches the trainer's state, overlaps the copy or the
@@ -123,13 +124,12 @@ class RankCheckpointer:
         self._stager, self._copy_stream = None, None
         if worker.device.type == "cuda":
             import torch
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-            # Synchronous staging inside the writer thread (the thread is the asynchrony), copies
-            # enqueued without blocking on the stream below; the stream is made here, on the
-            # rank's own thread, after the default stream is in use (as torch's stager asks).
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=True))
+            # Staging inside the writer thread (the thread is the asynchrony) into pinned host
+            # buffers made at the first save and refilled after. Not DefaultStager: torch 2.11's
+            # deep copy of a DTensor state dict fails on it (KeyError: <class 'type'>).
+            self._stager = BlockingAsyncStager(cache_staged_state_dict=True)
             self._copy_stream = torch.cuda.Stream(worker.device)
 
     # --- saving ------------------------------------------------------------------------------
@@ -206,8 +206,7 @@ class RankCheckpointer:
     def close(self) -> None:
         """Wait for the writes and uploads under way (their errors are the driver's to see)."""
         self._writer.shutdown(wait=True)
-        if self._stager is not None:
-            self._stager.close()  # unpins and frees the host copy
+        self._stager = None  # its pinned host copy goes with it
 
     # --- restoring ---------------------------------------------------------------------------
 
