@@ -1,7 +1,7 @@
 """`python -m tests.harness build|images|up|down`: the test control plane by hand.
 
 build   build every missing component into ~/.cache/kuberl/bin (idempotent)
-images  build the images of images/ (and the local base, the pause image) with podman (cached)
+images  build the images of images/Dockerfile (and the local base, the pause image) with podman (cached)
 up      start a cluster in the foreground; prints `export KUBECONFIG=...`;
         Ctrl-C (or `down` from another shell) stops it.
         `up --real-nodes 2 --images` runs real pods: two containerd + kubelet nodes with
@@ -124,11 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     p_up = sub.add_parser("up", help="start a cluster in the foreground")
     p_up.add_argument("--nodes", type=int, default=None, help="number of fake GPU (KWOK) nodes (default 3, 0 with --real-nodes)")
     p_up.add_argument("--real-nodes", type=int, default=0, help="number of real nodes: containerd + kubelet (needs root)")
-    p_up.add_argument("--images", action="store_true", help="with --real-nodes: build and import the images of images/")
+    p_up.add_argument("--images", action="store_true", help="with --real-nodes: build and import the images of images/Dockerfile")
     p_up.add_argument("--no-kuberay", action="store_true", help="no KubeRay (neither its CRDs nor its operator)")
     p_up.set_defaults(fn=_cmd_up)
-    p_images = sub.add_parser("images", help="build the images of images/ (cached)")
-    p_images.add_argument("names", nargs="*", help="image names (default: operator stager worker-cpu)")
+    p_images = sub.add_parser("images", help="build the images of images/Dockerfile (cached)")
+    p_images.add_argument("names", nargs="*", help="image names, i.e. targets of images/Dockerfile (default: operator stager worker-cpu)")
     p_images.set_defaults(fn=_cmd_images)
     p_down = sub.add_parser("down", help="stop the cluster started by `up`")
     p_down.set_defaults(fn=_cmd_down)

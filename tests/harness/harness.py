@@ -558,9 +558,9 @@ class Cluster:
         return [node for node in self.real_nodes if node_names is None or node.name in node_names]
 
     def load_images(self, names: tuple[str, ...] = images.NAMES, node_names: list[str] | None = None) -> dict[str, float]:
-        """Build images/<name> (cached) and import each into the real nodes' containerd as
-        ghcr.io/kuberl/<name>:<version>, into all nodes at once; returns seconds per step (build
-        and import)."""
+        """Build images/Dockerfile --target <name> (cached) and import each into the real nodes'
+        containerd as ghcr.io/kuberl/<name>:<version>, into all nodes at once; returns seconds per
+        step (build and import)."""
         times = {f"build {k}": v for k, v in images.build(names).items()}
         nodes = self._nodes_named(node_names)
         for name in names:

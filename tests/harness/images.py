@@ -1,18 +1,19 @@
-"""The container images the real nodes run, built daemonless from images/*/Dockerfile.
+"""The container images the real nodes run, built daemonless from images/Dockerfile's targets.
 
 podman (Debian's, with runc and the cgroupfs cgroup manager: crun refuses this machine's hybrid
 cgroups) builds into its own storage under ~/.cache/kuberl/containers. The public Python bases
-cannot be pulled here, so every Dockerfile gets BASE_IMAGE=the local base: Debian bookworm made
+cannot be pulled here, so every build gets BASE_IMAGE=the local base: Debian bookworm made
 with debootstrap from Debian's packages, Python 3.11.2 as Debian patches it (bookworm's python3.11
 carries the distribution's security fixes), with `python`/`pip` linked into /usr/local/bin like the
 python:*-slim images. What the build downloads (PyPI, Debian) goes through this machine's
 TLS-intercepting proxy, whose CA only the host's bundle holds: the build mounts that bundle over
 the image's for its RUN steps only, so it is never part of an image.
 
-An image is cached under a tag keyed by the hash of its Dockerfile, uv.lock, pyproject.toml and
-kuberl's sources (and the base): a present tag is never rebuilt, and podman's layer cache keeps a
-code change from reinstalling the locked dependencies. `import_into` streams an image into a
-node's containerd under the public name the manifests use (ghcr.io/kuberl/<name>:<version>).
+An image is cached under a tag keyed by the hash of its target name, the shared Dockerfile,
+uv.lock, pyproject.toml and kuberl's sources (and the base): a present tag is never rebuilt, and
+podman's layer cache keeps a code change from reinstalling the locked dependencies. `import_into`
+streams an image into a node's containerd under the public name the manifests use
+(ghcr.io/kuberl/<name>:<version>).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from tests.harness.build import BuildError, _cache_lock
 from tests.harness.components import KUBERNETES_VERSION, cache_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-IMAGES_DIR = REPO_ROOT / "images"
+# One target per image (`--target NAME`), sharing the build stages.
+DOCKERFILE = REPO_ROOT / "images" / "Dockerfile"
 # The images the real-node tests run; `worker` needs CUDA and is not built here.
 NAMES = ("operator", "stager", "worker-cpu")
 PUBLIC_REPOSITORY = "ghcr.io/kuberl"
@@ -197,7 +199,7 @@ def _kubernetes_source() -> Path:
     return Path(info["Dir"])
 
 
-# -- the images of images/ --------------------------------------------------------------------
+# -- the images of images/Dockerfile -------------------------------------------------------
 
 
 def _source_files() -> list[Path]:
@@ -211,9 +213,11 @@ def _source_files() -> list[Path]:
 
 
 def image_key(name: str) -> str:
-    """Hash of what the image is built from: its Dockerfile, the lock, kuberl's sources, the base."""
+    """Hash of what the image is built from: its target in the shared Dockerfile, the lock,
+    kuberl's sources, the base."""
     digest = hashlib.sha256(base_tag().encode())
-    for path in [IMAGES_DIR / name / "Dockerfile", *_source_files()]:
+    digest.update(b"--target\0" + name.encode() + b"\0images/Dockerfile\0" + DOCKERFILE.read_bytes() + b"\0")
+    for path in _source_files():
         digest.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
 
@@ -233,7 +237,7 @@ def uv_cache_dir() -> Path:
 
 
 def build_image(name: str, out=sys.stdout) -> float:
-    """Build images/<name>/Dockerfile on the local base unless cached; returns seconds spent."""
+    """Build images/Dockerfile's target `name` on the local base unless cached; returns seconds spent."""
     tag = local_tag(name)
     if image_exists(tag):
         return 0.0
@@ -252,11 +256,12 @@ def build_image(name: str, out=sys.stdout) -> float:
         # it (several GB for torch), so the builds download almost nothing.
         f"--volume={uv_cache_dir()}:/host-uv-cache",
         "--build-arg=UV_CACHE_DIR=/host-uv-cache",
-        "-f", str(IMAGES_DIR / name / "Dockerfile"),
+        "-f", str(DOCKERFILE),
+        f"--target={name}",
         "-t", tag,
         str(REPO_ROOT),
     )
-    _run(argv, log, f"podman build of images/{name}")
+    _run(argv, log, f"podman build of images/Dockerfile --target {name}")
     _drop_older(name, tag)
     seconds = time.monotonic() - began
     print(f"{'image ' + tag:60s} built in {seconds:7.1f} s", file=out, flush=True)

@@ -1,6 +1,6 @@
-"""The images of images/, built for real from their Dockerfiles (tests/harness/images.py: podman,
-on the local Debian base) and run as pods on a real node: each entrypoint's `--help`, `id` as the
-non-root user the pods run as, and the worker-cpu image importing its training stack."""
+"""The images of images/Dockerfile, built for real from their targets (tests/harness/images.py:
+podman, on the local Debian base) and run as pods on a real node: each entrypoint's `--help`, `id`
+as the non-root user the pods run as, and the worker-cpu image importing its training stack."""
 
 from __future__ import annotations
 

@@ -100,5 +100,5 @@ METRICS_PORT = 9400          # kuberl's own exporter (kuberl.common.metrics)
 RAY_METRICS_PORT = 8080      # Ray's metrics export port
 RAY_DASHBOARD_PORT = 8265    # Ray's dashboard and job-submission API, on the head only
 
-# The user every container runs as: the images' own (images/*/Dockerfile) and the chart's.
+# The user every container runs as: the images' own (images/Dockerfile) and the chart's.
 RUN_AS_USER = 1000

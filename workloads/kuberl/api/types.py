@@ -641,7 +641,7 @@ class RLTrainingJobSpec(APIModel):
     model: ModelSpec
     data: DataSpec
     image: str = Field(min_length=1, max_length=1024, pattern=r"^\S+$",
-                       description="Worker image: Ray + torch + vLLM + kuberl (see images/worker).")
+                       description="Worker image: Ray + torch + vLLM + kuberl (target worker of images/Dockerfile).")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="Pull policy for every container.")
     reward: RewardSpec = Field(default_factory=lambda: RewardSpec(builtin="gsm8k_strict"),
