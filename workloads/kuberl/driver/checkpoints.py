@@ -5,10 +5,13 @@ upload. The ranks write, upload, commit and restore (``kuberl.train.checkpoint``
 from __future__ import annotations
 
 import copy
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from kuberl.job.plan import Checkpoints, Resume
+
+log = logging.getLogger("kuberl.train")
 
 
 class CheckpointManager:
@@ -53,6 +56,14 @@ class CheckpointManager:
         """Block until the pending checkpoint is committed; re-raise its error."""
         pending, self._pending = self._pending, None
         return pending.result() if pending else None
+
+    def settle(self) -> None:
+        """The trainer group was lost: the commit under way either finished before (a checkpoint
+        like any other) or failed with the group (dropped: its ranks are gone), never raised later."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.exception() is not None:
+            log.warning("the checkpoint under way when the trainer group was lost is not committed: %s",
+                        pending.exception())
 
     def close(self) -> None:
         try:

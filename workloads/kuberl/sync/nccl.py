@@ -73,10 +73,13 @@ class NcclWeightSync(WeightSync):
         return SyncStats(version, min(min(r) for r in received), time.perf_counter() - start)
 
     def close(self) -> None:
+        self.leave_engines()
+        self.trainer_group.execute(leave_sync_group, self.key)
+
+    def leave_engines(self) -> None:
         import ray
 
         ray.get([engine.rpc.remote("kuberl_leave_group") for engine in self.engine_pool.engines])
-        self.trainer_group.execute(leave_sync_group, self.key)
 
 
 # --- sender: on every trainer rank -----------------------------------------------------------
