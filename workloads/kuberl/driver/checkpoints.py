@@ -62,8 +62,8 @@ class CheckpointManager:
         like any other) or failed with the group (dropped: its ranks are gone), never raised later."""
         pending, self._pending = self._pending, None
         if pending is not None and pending.exception() is not None:
-            log.warning("the checkpoint under way when the trainer group was lost is not committed: %s",
-                        pending.exception())
+            log.warning("the checkpoint commit under way when the trainer group was lost did not finish (%s): "
+                        "the newest complete checkpoint is restored", pending.exception())
 
     def close(self) -> None:
         try:

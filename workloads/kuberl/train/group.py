@@ -167,12 +167,14 @@ class TrainerGroup:
     """``plan.paths.model``: a local directory or any model URI ``kuberl.storage.resolve`` accepts
     (s3://, gs://, hf://, pvc://): each rank resolves it on its own node."""
 
-    def __init__(self, spec, plan: RunPlan):
+    def __init__(self, spec, plan: RunPlan, *, ready_timeout: float | None = None):
+        """``ready_timeout``: how long the ranks may wait for their resources; by default as long
+        as it takes (the first group of a run: the cluster is just coming up)."""
         self.spec, self.plan = spec, plan
         self.world_size = plan.layout.world_size
         self.actors: list = []
         self.epoch = 0  # this group's generation: claimed under the checkpoint root when there is one
-        self._start(ready_timeout=None)  # the first group: the cluster is just coming up, as long as it takes
+        self._start(ready_timeout)
 
     def _start(self, ready_timeout: float | None) -> None:
         from kuberl.train.worker import TrainerConfig
