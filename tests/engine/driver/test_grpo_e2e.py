@@ -160,8 +160,9 @@ def test_each_rank_uploads_its_own_shards(run_a, s3_root):
     assert {f["path"] for f in complete["files"]} == {
         "driver.json", "trainer/.metadata", "trainer/__0_0.distcp", "trainer/__1_0.distcp",
         "trainer/trainer_rank0_of2.pt", "trainer/trainer_rank1_of2.pt"}
-    # keep: 2, and every rank's scratch is empty of checkpoint files once they are uploaded.
-    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/run-a")) == ["latest", "step-000000010",
+    # keep: 2 (and the trainer group's epoch), and every rank's scratch is empty of checkpoint
+    # files once they are uploaded.
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/run-a")) == ["epoch", "latest", "step-000000010",
                                                                                "step-000000020"]
     scratch = tmp / "a" / "work" / "scratch"
     assert sorted(p.name for p in scratch.iterdir()) == ["rank-0", "rank-1"]
