@@ -209,7 +209,7 @@ class Driver:
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         self._timing = threading.local()  # .phases: what _phase adds to, per thread
         self._checkpoint_stall: float | None = None
-        self._trainer_lost_at: int | None = None  # the step during which a trainer rank was last lost
+        self._trainer_lost_at: int | None = None  # steps completed when a trainer rank was last lost
         self._trainer_recovery: float | None = None  # its recovery's seconds, reported with the next step
 
     def _hold_for_suspend(self) -> None:
@@ -508,13 +508,13 @@ class Driver:
         with colocated engines (the lost pod held engines too), when a rank is lost again before
         the run got past the step of the last loss, or when no resources come back in time."""
         if self.plan.layout.colocated:
-            raise RuntimeError(f"{lost} at step {self.step}: with rollout.colocate its pod held rollout engines "
-                               f"too; a new attempt restores the newest checkpoint") from lost
+            raise RuntimeError(f"{lost} during step {self.step + 1}: with rollout.colocate its pod held rollout "
+                               f"engines too; a new attempt restores the newest checkpoint") from lost
         if self._trainer_lost_at is not None and self.step <= self._trainer_lost_at:
-            raise RuntimeError(f"{lost} at step {self.step}, again before the run got past step "
-                               f"{self._trainer_lost_at} where a rank was lost last: not a passing failure, so "
-                               f"this attempt ends") from lost
-        self._trainer_lost_at = self.step
+            raise RuntimeError(f"{lost} during step {self.step + 1}, again before the run got past step "
+                               f"{self._trainer_lost_at + 1}, where a rank was lost last: not a passing failure, "
+                               f"so this attempt ends") from lost
+        self._trainer_lost_at = self.step  # steps completed when it was lost
         started = time.perf_counter()
         log.warning("%s during step %d: ending its group and starting a new one (waiting up to %d s for its "
                     "resources), then restoring the newest checkpoint", lost, self.step + 1,
@@ -527,7 +527,8 @@ class Driver:
         try:
             self.trainer.replace(TRAINER_REPLACEMENT_TIMEOUT_S)
         except TrainerCapacityError as exc:
-            raise TrainerCapacityError(f"{lost} at step {self.step}, and {exc}: a new attempt takes over") from lost
+            raise TrainerCapacityError(f"{lost} during step {self.step + 1}, and {exc}: a new attempt takes "
+                                       f"over") from lost
         self.weight_sync.replace_trainers()
         lost_step, self.step, self.weight_version = self.step, 0, 0
         if not self.restore():  # no checkpoint: the model's initial weights, from step 0
