@@ -58,8 +58,9 @@ class CheckpointManager:
         return pending.result() if pending else None
 
     def settle(self) -> None:
-        """The trainer group was lost: the commit under way either finished before (a checkpoint
-        like any other) or failed with the group (dropped: its ranks are gone), never raised later."""
+        """A trainer rank was lost: wait for the commit under way, which completes if every rank
+        had uploaded its shards (a checkpoint like any other) and otherwise fails with the lost
+        rank (``TrainerLost``, at once): logged and dropped, never raised later."""
         pending, self._pending = self._pending, None
         if pending is not None and pending.exception() is not None:
             log.warning("the checkpoint commit under way when the trainer group was lost did not finish (%s): "

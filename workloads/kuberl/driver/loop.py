@@ -522,8 +522,11 @@ class Driver:
         for rollout in self._rollouts.values():  # asyncRollout: the engines finish before new weights come
             rollout.exception()
         self._rollouts.clear()
+        # The commit under way first: one whose every rank has uploaded its shards completes (a
+        # checkpoint like any other, and less to run again); one that waits on the lost rank fails
+        # at once. Either way before the new group claims the root, so no old commit lands after.
+        self.checkpoints.settle()
         self.trainer.kill()
-        self.checkpoints.settle()  # before the new group claims the root: no old commit lands after it
         try:
             self.trainer.replace(TRAINER_REPLACEMENT_TIMEOUT_S)
         except TrainerCapacityError as exc:
