@@ -230,7 +230,7 @@ def test_a_lost_trainer_rank_is_recovered_in_place(run_a, s3_root):
         deadline = time.monotonic() + RUN_TIMEOUT_S
         # After step 12, and once the step-10 checkpoint is committed: the one the recovery restores.
         while (max((row["step"] for row in metric_rows(tmp / "e")), default=0) < 12
-               or not fs.exists(f"{bucket}/run-e/step-000000010/COMPLETE")):
+               or not fs.exists(f"{bucket}/run-e/step-000000010/COMPLETE") or not fs.exists(f"{bucket}/run-e/latest")):
             fs.invalidate_cache()
             assert run_e.poll() is None, f"run E exited {run_e.returncode}:\n{tail(tmp / 'e' / 'driver.log')}"
             assert time.monotonic() < deadline, "run E made no progress in time"
