@@ -224,11 +224,12 @@ class TrainerGroup:
         """The results of one call per rank, in rank order; ``TrainerLost`` as soon as a rank's
         actor is dead, whether the others have returned or not."""
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results = {}
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
             try:
-                ray.get(ready[0])
+                results[ready[0]] = ray.get(ready[0])
             except ray.exceptions.RayActorError as exc:
                 raise TrainerLost(rank_of[ready[0]], exc) from None
             except ray.exceptions.RayTaskError:
@@ -236,7 +237,7 @@ class TrainerGroup:
                 if lost is not None:
                     raise lost from None
                 raise
-        return ray.get(refs)
+        return [results[ref] for ref in refs]
 
     @staticmethod
     def _dead_peer(pending: list, rank_of: dict) -> TrainerLost | None:
