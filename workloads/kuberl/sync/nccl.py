@@ -24,6 +24,8 @@ from kuberl.sync.params import iter_buckets
 
 _STORES: dict[str, object] = {}
 _GROUPS: dict[str, SyncGroup] = {}
+# How often the driver, waiting for the engines to receive a sync, looks whether the senders failed.
+SENDER_POLL_S = 1.0
 
 
 # --- driver ---------------------------------------------------------------------------------
@@ -64,10 +66,17 @@ class NcclWeightSync(WeightSync):
                                                  version)
                     for engine in self.engine_pool.engines]
         # The trainers send from a thread so that an engine failing to receive surfaces here at
-        # once (the senders then stop at the group's timeout) instead of blocking the driver.
+        # once (the senders then stop at the group's timeout) instead of blocking the driver; and
+        # the senders failing (a trainer rank lost mid-sync) surfaces at once too: the engines
+        # would wait for the next bucket until the group's timeout.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             sending = pool.submit(self.trainer_group.execute, broadcast_weights, self.key,
                                   meta_list, self.bucket_bytes)
+            pending = receives
+            while pending:
+                _, pending = ray.wait(pending, num_returns=len(pending), timeout=SENDER_POLL_S)
+                if sending.done() and sending.exception() is not None:
+                    raise sending.exception()
             received = ray.get(receives)
             sending.result()
         return SyncStats(version, min(min(r) for r in received), time.perf_counter() - start)
