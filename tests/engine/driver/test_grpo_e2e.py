@@ -4,7 +4,9 @@ checkpoints going to moto's S3 server on loopback.
 
 Run A goes 20 steps uninterrupted. Run B is SIGKILLed (with its whole process group: Ray, the
 engine, the trainer ranks) after its step-10 checkpoint is on S3; run C resumes from S3 and must
-reproduce A's steps 11-20 bit for bit.
+reproduce A's steps 11-20 bit for bit. Run E loses one trainer rank's process after step 12: the
+driver recovers in place, from the step-10 checkpoint, with the same engine processes, and its
+steps 11-20 after the recovery are A's bit for bit too.
 
 No filesystem is shared as it would be on one machine: each trainer rank writes its checkpoint
 shards and temp files below its own scratch directory (``<work-dir>/scratch/rank-<r>``, what each
@@ -96,6 +98,27 @@ def run_until_step_10_is_committed(fs, root: str, config: Path, run_dir: Path, s
         kill_group(run)
 
 
+def ray_workers(proc: subprocess.Popen, actor: str) -> list:
+    """The Ray worker processes of ``actor`` (its class name) below the driver ``proc``: its own
+    local Ray, so never another test's."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if " ".join(child.cmdline()).startswith(f"ray::{actor}"):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    """Every complete line of the metrics file, in the order written (a step run again repeats)."""
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
+
+
 def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
@@ -137,8 +160,9 @@ def test_each_rank_uploads_its_own_shards(run_a, s3_root):
     assert {f["path"] for f in complete["files"]} == {
         "driver.json", "trainer/.metadata", "trainer/__0_0.distcp", "trainer/__1_0.distcp",
         "trainer/trainer_rank0_of2.pt", "trainer/trainer_rank1_of2.pt"}
-    # keep: 2, and every rank's scratch is empty of checkpoint files once they are uploaded.
-    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/run-a")) == ["latest", "step-000000010",
+    # keep: 2 (and the trainer group's epoch), and every rank's scratch is empty of checkpoint
+    # files once they are uploaded.
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/run-a")) == ["epoch", "latest", "step-000000010",
                                                                                "step-000000020"]
     scratch = tmp / "a" / "work" / "scratch"
     assert sorted(p.name for p in scratch.iterdir()) == ["rank-0", "rank-1"]
@@ -193,3 +217,53 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_75(run_a, s3_root):
     assert last < 10  # stopped early, not at an interval checkpoint
     fs.invalidate_cache()
     assert fs.cat_file(f"{bucket}/run-d/latest") == f"step-{last:09d}".encode()
+
+
+def test_a_lost_trainer_rank_is_recovered_in_place(run_a, s3_root):
+    """One trainer rank's process is SIGKILLed (what a crash or a lost pod is to Ray) after step 12:
+    the run completes in the same driver, restored from the step-10 checkpoint, and the engine
+    processes that served before serve after."""
+    tmp, uninterrupted = run_a
+    fs, bucket, env = s3_root
+    run_e = start_driver(write_config(tmp, f"s3://{bucket}/run-e"), tmp / "e", env)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        # After step 12, and once the step-10 checkpoint is committed: the one the recovery restores.
+        while (max((row["step"] for row in metric_rows(tmp / "e")), default=0) < 12
+               or not fs.exists(f"{bucket}/run-e/step-000000010/COMPLETE") or not fs.exists(f"{bucket}/run-e/latest")):
+            fs.invalidate_cache()
+            assert run_e.poll() is None, f"run E exited {run_e.returncode}:\n{tail(tmp / 'e' / 'driver.log')}"
+            assert time.monotonic() < deadline, "run E made no progress in time"
+            time.sleep(0.05)
+        engines = {p.pid for p in ray_workers(run_e, "RolloutEngine")}
+        ranks = ray_workers(run_e, "TrainerActor")
+        assert engines and len(ranks) == 2
+        ranks[-1].kill()
+        while not any("trainer_recoveries" in row for row in metric_rows(tmp / "e")):
+            assert run_e.poll() is None, f"run E exited {run_e.returncode}:\n{tail(tmp / 'e' / 'driver.log')}"
+            assert time.monotonic() < deadline, "run E did not recover in time"
+            time.sleep(0.05)
+        assert {p.pid for p in ray_workers(run_e, "RolloutEngine")} == engines  # no engine restarted
+        wait(run_e, tmp / "e")
+    finally:
+        kill_group(run_e)
+
+    rows = metric_rows(tmp / "e")
+    steps = [row["step"] for row in rows]
+    back = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    # Lost during step 13 or 14: the steps since the step-10 checkpoint run again, and only those.
+    assert steps[:back] == list(range(1, steps[back - 1] + 1)) and 12 <= steps[back - 1] < STEPS
+    assert steps[back:] == list(range(11, STEPS + 1))
+    first = rows[back]
+    assert first["trainer_recoveries"] == 1.0
+    print(f"trainer rank lost after step {steps[back - 1]}: recovered in {first['trainer_recovery_seconds']:.1f} s "
+          f"(steps 11-{steps[back - 1]} run again)")
+    for row in rows[back:]:
+        mine = {k: v for k, v in row.items() if not wall_clock(k) and k != "trainer_recoveries"}
+        assert mine == uninterrupted[row["step"]], f"step {row['step']} differs after the recovery"
+    log = (tmp / "e" / "driver.log").read_text()
+    assert "trainer rank" in log and "lost" in log and "trainer group recovered in" in log
+    assert "resumed from s3://grpo-e2e/run-e/step-000000010" in log
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{bucket}/run-e/latest") == b"step-000000020"
+    assert fs.cat_file(f"{bucket}/run-e/epoch") == b"2\n"  # the first group's, then the new one's

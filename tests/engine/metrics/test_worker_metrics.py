@@ -14,7 +14,7 @@ from kuberl.common.metrics import LABELS, Identity, WorkerMetrics, record_step
 
 IDENTITY = Identity(job="grpo", namespace="team-a", role="trainer", rank="3")
 PREFIXES = ("kuberl_train_", "kuberl_rollout_", "kuberl_sync_", "kuberl_checkpoint_", "kuberl_stage_",
-            "kuberl_recoveries")
+            "kuberl_recoveries", "kuberl_recovery_")
 UNITLESS = {"kuberl_train_step", "kuberl_train_reward_mean", "kuberl_train_kl", "kuberl_train_loss",
             "kuberl_train_pg_loss", "kuberl_train_grad_norm", "kuberl_train_validation_reward"}
 
@@ -26,6 +26,7 @@ DRIVER_STEP = {
     "tokens_per_second": 512.0, "weight_sync_seconds": 0.05, "weight_sync_bytes": 4096, "step": 5, "mfu": 0.31,
     "clip_frac": 0.05, "generate_seconds": 0.75, "update_seconds": 0.25, "checkpoint_wait_seconds": 0.125,
     "engines_lost": 1.0, "engines_replaced": 0.0, "engines_live": 1.0,
+    "trainer_recoveries": 1.0, "trainer_recovery_seconds": 14.0,
 }
 
 
@@ -101,6 +102,8 @@ def test_record_step_exports_the_driver_dict(registry):
     assert value(registry, "kuberl_train_phase_duration_seconds_sum", phase="checkpoint_wait") == 0.25
     assert value(registry, "kuberl_train_phase_duration_seconds_count", phase="sleep") is None  # not colocated
     assert value(registry, "kuberl_recoveries_total", kind="engine") == 2  # one engine lost in each step
+    assert value(registry, "kuberl_recoveries_total", kind="trainer") == 2  # a new trainer group before each
+    assert value(registry, "kuberl_recovery_duration_seconds_sum", kind="trainer") == 28.0
 
 
 def test_rollout_checkpoint_and_stage_records(registry):

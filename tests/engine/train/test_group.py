@@ -56,6 +56,19 @@ def _group(spec: RLTrainingJobSpec, work_dir) -> TrainerGroup:
     return TrainerGroup(spec, plans.local(job, work_dir))
 
 
+def test_a_group_without_resources_fails_naming_the_wait(dense_path, tmp_path):
+    """What a lost rank's replacement group does when no capacity comes back (KubeRay's new pod
+    never joins): a bounded wait, then an error the driver passes on (a new attempt takes over).
+    One GPU per rank on this CPU-only Ray: never placed."""
+    from kuberl.train.group import TrainerCapacityError
+
+    spec = _spec(dense_path, trainer={"gpusPerReplica": 1, "processesPerReplica": 1})
+    job = RLTrainingJob(metadata={"name": "group-test"}, spec=spec)
+    with pytest.raises(TrainerCapacityError, match=r"only 0 of 1 trainer ranks got their resources \(1 GPUs each\) "
+                                                   r"within 2 s"):
+        TrainerGroup(spec, plans.local(job, tmp_path), ready_timeout=2)
+
+
 def _batch(n=8, seed=0) -> TrainBatch:
     rng = random.Random(seed)
     return TrainBatch([Sample(prompt_ids=[rng.randrange(4, 100) for _ in range(rng.randrange(3, 9))],

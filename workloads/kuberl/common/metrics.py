@@ -35,6 +35,8 @@ SYNC_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # checkpoint_wait is part of update: its wait for the last checkpoint to finish reading the state.
 STEP_PHASES = ("generate", "reward", "logprobs", "update", "sleep", "wake", "checkpoint_stall", "checkpoint_wait")
 STEP_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+# A recovery: seconds locally (a new trainer group on the same Ray), minutes when a pod is replaced.
+RECOVERY_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200)
 
 # record_step keys -> gauge attribute; the values are the latest step's.
 STEP_GAUGES = {
@@ -130,6 +132,9 @@ class WorkerMetrics:
         self.stage_seconds = counter("kuberl_stage_seconds_total", "Seconds spent staging")
         self.recoveries = Counter("kuberl_recoveries", "Failures the job recovered from without a restart (label kind)",
                                   [*labels, "kind"], registry=registry)
+        self.recovery_duration = Histogram("kuberl_recovery_duration_seconds",
+                                           "Time from a failure to training again (label kind)",
+                                           [*labels, "kind"], buckets=RECOVERY_BUCKETS, registry=registry)
 
     def _mine(self, family):
         """This process's series of ``family`` (created at 0 on first use)."""
@@ -152,6 +157,9 @@ class WorkerMetrics:
                 self.phase_duration.labels(*self.values, phase).observe(float(metrics[f"{phase}_seconds"]))
         if metrics.get("engines_lost"):  # the step completed on the engines left
             self.recoveries.labels(*self.values, "engine").inc(float(metrics["engines_lost"]))
+        if metrics.get("trainer_recoveries"):  # the first step of a new trainer group
+            self.recoveries.labels(*self.values, "trainer").inc(float(metrics["trainer_recoveries"]))
+            self.recovery_duration.labels(*self.values, "trainer").observe(float(metrics["trainer_recovery_seconds"]))
         if metrics.get("weight_sync_seconds") is not None:
             self._mine(self.sync_duration).observe(float(metrics["weight_sync_seconds"]))
             self._mine(self.sync_bytes).inc(float(metrics.get("weight_sync_bytes") or 0))

@@ -5,10 +5,13 @@ upload. The ranks write, upload, commit and restore (``kuberl.train.checkpoint``
 from __future__ import annotations
 
 import copy
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from kuberl.job.plan import Checkpoints, Resume
+
+log = logging.getLogger("kuberl.train")
 
 
 class CheckpointManager:
@@ -53,6 +56,15 @@ class CheckpointManager:
         """Block until the pending checkpoint is committed; re-raise its error."""
         pending, self._pending = self._pending, None
         return pending.result() if pending else None
+
+    def settle(self) -> None:
+        """A trainer rank was lost: wait for the commit under way, which completes if every rank
+        had uploaded its shards (a checkpoint like any other) and otherwise fails with the lost
+        rank (``TrainerLost``, at once): logged and dropped, never raised later."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.exception() is not None:
+            log.warning("the checkpoint commit under way when the trainer group was lost did not finish (%s): "
+                        "the newest complete checkpoint is restored", pending.exception())
 
     def close(self) -> None:
         try:

@@ -9,6 +9,10 @@ Writers that upload from several places (each trainer rank its own shards) call
 ``withdraw_from`` before anything of a step is written (a step written again, after resuming from
 an older one or with ``resume: never`` on a reused root, must never look complete while it holds
 a mix of old and new objects), then ``commit_records`` once every part is durable.
+
+``<root>/epoch`` fences out a lost trainer group: every new group claims the next generation
+number (``claim_epoch``), and a withdraw or a commit that names an older one is refused
+(``StaleEpoch``): a rank of a group the driver has replaced can no longer change the root.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from kuberl.api.uri import ParsedURI, parse
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
+EPOCH = "epoch"
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
 
 
@@ -56,10 +61,50 @@ def step_uri(root_uri: str, step: int) -> str:
     return parse(root_uri, "checkpoint.uri").join(checkpoint_dirname(step))
 
 
-def withdraw_from(root_uri: str, step: int) -> list[str]:
+class StaleEpoch(StorageError):
+    """A rank of a trainer group that a newer group has replaced tried to change the root."""
+
+
+def _stored_epoch(fs, root: str, uri: str) -> int:
+    path = f"{root}/{EPOCH}"
+    if not with_retries(lambda: fs.exists(path), uri=uri):
+        return 0
+    return int(with_retries(lambda: fs.cat_file(path), uri=uri).decode().strip())
+
+
+def claim_epoch(root_uri: str) -> int:
+    """A new trainer group's generation number under ``root_uri``: one more than the last group's
+    (across attempts too, as the number lives in the store). From now on that group's ranks are
+    fenced out (``check_epoch``)."""
+    parsed = parse(root_uri, "checkpoint.uri")
+    fs = filesystems.filesystem(parsed)
+    root = filesystems.root_path(parsed)
+    if not parsed.is_cloud:
+        fs.makedirs(root, exist_ok=True)
+    epoch = _stored_epoch(fs, root, root_uri) + 1
+    _write_small(fs, parsed, f"{root}/{EPOCH}", f"{epoch}\n".encode(), root_uri)
+    return epoch
+
+
+def check_epoch(root_uri: str, epoch: int | None, what: str) -> None:
+    """Refuse ``what`` (a write to the root) by a group of ``epoch`` once a newer group has claimed
+    the root; ``None``: a writer outside any trainer group (``commit_checkpoint``), not fenced."""
+    if epoch is None:
+        return
+    parsed = parse(root_uri, "checkpoint.uri")
+    current = _stored_epoch(filesystems.filesystem(parsed), filesystems.root_path(parsed), root_uri)
+    if current > epoch:
+        raise StaleEpoch(f"{root_uri}: {what} refused: it comes from trainer group epoch {epoch}, which a new "
+                         f"group (epoch {current}) replaced after a trainer rank was lost; only the new group "
+                         f"writes checkpoints")
+
+
+def withdraw_from(root_uri: str, step: int, epoch: int | None = None) -> list[str]:
     """Before checkpoint ``step`` is written: delete it and every complete checkpoint after it
     (a later step under this root belongs to a run that this one replaces), each COMPLETE first
-    so that a half-deleted checkpoint never looks complete. Returns the URIs removed."""
+    so that a half-deleted checkpoint never looks complete. Returns the URIs removed. ``epoch``:
+    the writing trainer group's (``check_epoch``)."""
+    check_epoch(root_uri, epoch, f"withdrawing checkpoint step {step}")
     parsed = parse(root_uri, "checkpoint.uri")
     fs = filesystems.filesystem(parsed)
     root = filesystems.root_path(parsed)
@@ -84,10 +129,14 @@ def _remove_step(fs, root: str, step: int, *, complete: bool, uri: str) -> None:
             raise
 
 
-def commit_records(root_uri: str, step: int, files: list[dict], extra: dict[str, bytes] | None = None) -> str:
+def commit_records(root_uri: str, step: int, files: list[dict], extra: dict[str, bytes] | None = None,
+                   epoch: int | None = None) -> str:
     """Commit checkpoint ``step`` whose ``files`` (FileRecord dicts, paths relative to the step)
     are all durable: write ``extra`` (small files, e.g. the driver's state), then COMPLETE, then
-    move ``latest``. Returns the checkpoint's URI."""
+    move ``latest``. Returns the checkpoint's URI. ``epoch``: the committing trainer group's,
+    checked before COMPLETE and again before ``latest`` moves (``check_epoch``)."""
+    what = f"committing checkpoint step {step}"
+    check_epoch(root_uri, epoch, what)
     parsed = parse(root_uri, "checkpoint.uri")
     name = checkpoint_dirname(step)
     uri = parsed.join(name)
@@ -107,6 +156,7 @@ def commit_records(root_uri: str, step: int, files: list[dict], extra: dict[str,
     }
     _write_small(fs, parsed, f"{root}/{name}/{COMPLETE}",
                  (json.dumps(manifest, indent=1) + "\n").encode(), uri)
+    check_epoch(root_uri, epoch, what)
     _write_small(fs, parsed, f"{root}/{LATEST}", name.encode(), root_uri)
     return uri
 

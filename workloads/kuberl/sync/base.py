@@ -44,6 +44,15 @@ class WeightSync(abc.ABC):
         self.setup()
         return True
 
+    def replace_trainers(self) -> None:
+        """The trainer group was replaced (a rank lost): the old sender side died with it, so the
+        engines leave what they joined and everything is set up again with the new ranks."""
+        self.leave_engines()
+        self.setup()
+
+    def leave_engines(self) -> None:
+        """The engines' part of ``close`` (a transport whose engines join a group extends this)."""
+
     def setup(self) -> None:
         """One-time wiring; call before the first ``sync``. Every transport needs the engines'
         dtype (the wire dtype) and the parameters' metadata in it; a transport that needs more

@@ -24,6 +24,8 @@ from kuberl.sync.params import iter_buckets
 
 _STORES: dict[str, object] = {}
 _GROUPS: dict[str, SyncGroup] = {}
+# How often the driver, waiting for the engines to receive a sync, looks whether the senders failed.
+SENDER_POLL_S = 1.0
 
 
 # --- driver ---------------------------------------------------------------------------------
@@ -64,19 +66,29 @@ class NcclWeightSync(WeightSync):
                                                  version)
                     for engine in self.engine_pool.engines]
         # The trainers send from a thread so that an engine failing to receive surfaces here at
-        # once (the senders then stop at the group's timeout) instead of blocking the driver.
+        # once (the senders then stop at the group's timeout) instead of blocking the driver; and
+        # the senders failing (a trainer rank lost mid-sync) surfaces at once too: the engines
+        # would wait for the next bucket until the group's timeout.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             sending = pool.submit(self.trainer_group.execute, broadcast_weights, self.key,
                                   meta_list, self.bucket_bytes)
+            pending = receives
+            while pending:
+                _, pending = ray.wait(pending, num_returns=len(pending), timeout=SENDER_POLL_S)
+                if sending.done() and sending.exception() is not None:
+                    raise sending.exception()
             received = ray.get(receives)
             sending.result()
         return SyncStats(version, min(min(r) for r in received), time.perf_counter() - start)
 
     def close(self) -> None:
+        self.leave_engines()
+        self.trainer_group.execute(leave_sync_group, self.key)
+
+    def leave_engines(self) -> None:
         import ray
 
         ray.get([engine.rpc.remote("kuberl_leave_group") for engine in self.engine_pool.engines])
-        self.trainer_group.execute(leave_sync_group, self.key)
 
 
 # --- sender: on every trainer rank -----------------------------------------------------------

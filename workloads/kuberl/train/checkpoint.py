@@ -48,8 +48,8 @@ from typing import Any
 
 from kuberl.common import metrics as pod_metrics
 from kuberl.job.plan import Checkpoints, Resume
-from kuberl.storage import (checkpoint_to_restore, commit_records, latest_checkpoint, prune_checkpoints, stage,
-                            step_uri, upload_dir, verify_checkpoint, withdraw_from)
+from kuberl.storage import (checkpoint_to_restore, claim_epoch, commit_records, latest_checkpoint, prune_checkpoints,
+                            stage, step_uri, upload_dir, verify_checkpoint, withdraw_from)
 from kuberl.api.uri import parse
 from kuberl.storage import filesystems
 from kuberl.storage.errors import StorageError, with_retries
@@ -131,6 +131,14 @@ class RankCheckpointer:
             # deep copy of a DTensor state dict fails on it (KeyError: <class 'type'>).
             self._stager = BlockingAsyncStager(cache_staged_state_dict=True)
             self._copy_stream = torch.cuda.Stream(worker.device)
+        # The trainer group's generation (``kuberl.storage.claim_epoch``): rank 0 withdraws and
+        # commits only while no newer group has claimed the root.
+        self.epoch: int | None = None
+
+    def claim_epoch(self) -> int:
+        """Rank 0 of a new trainer group: claim the root's next epoch, fencing out every older group."""
+        self.epoch = claim_epoch(self.spec.root)
+        return self.epoch
 
     # --- saving ------------------------------------------------------------------------------
 
@@ -148,7 +156,7 @@ class RankCheckpointer:
         started = time.perf_counter()
         self.fence()
         if self.rank == 0:
-            withdraw_from(self.spec.root, step)
+            withdraw_from(self.spec.root, step, epoch=self.epoch)
         dist.barrier()  # nothing of the step is uploaded before rank 0 withdrew the old one
         state, extra = self.worker.checkpoint_state()
         local = self.scratch / f"step-{step}"
@@ -199,7 +207,7 @@ class RankCheckpointer:
     def commit(self, step: int, files: list[dict], driver_state: dict) -> str:
         """Rank 0, after every rank's ``uploaded``: COMPLETE, ``latest``, then keep-N pruning."""
         extra = {DRIVER_STATE: (json.dumps({**driver_state, "step": step}, indent=1) + "\n").encode()}
-        uri = commit_records(self.spec.root, step, files, extra)
+        uri = commit_records(self.spec.root, step, files, extra, epoch=self.epoch)
         prune_checkpoints(self.spec.root, self.spec.keep)
         return uri
 

@@ -5,6 +5,11 @@ all ranks return (every ``TrainerWorker`` method is collective). Rank 0 picks th
 address and a free port and hands them to the others, so nothing depends on RANK, MASTER_ADDR or
 RAY_LOCAL_WORLD_SIZE being set in the environment. How many ranks, the GPUs and Ray resources
 each asks for, where the model is and where each rank may write: all from the run plan.
+
+A rank that dies (its process crashes, its pod or node goes) surfaces as ``TrainerLost`` from the
+call under way, at once: the driver does not wait for its peers, which may sit in a collective
+with the dead rank until the process group's timeout. ``replace`` then ends every rank and starts
+a new group of the next epoch (``kuberl.storage.claim_epoch``) once Ray has the resources for it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,22 @@ from kuberl.train.checkpoint import CONCURRENCY_GROUP, find_checkpoint
 log = logging.getLogger("kuberl.train")
 
 CLOSE_TIMEOUT_S = 30
+# After one rank's call failed, how long to wait for the others' results before that failure is
+# taken as the run's own: a collective on a rank that died fails on its peers (gloo: the socket
+# closes) slightly before Ray reports the death itself.
+PEER_DEATH_GRACE_S = 30
+
+
+class TrainerLost(RuntimeError):
+    """A trainer rank's actor died: its process, pod or node is gone."""
+
+    def __init__(self, rank: int, cause: BaseException):
+        super().__init__(f"trainer rank {rank} lost ({type(cause).__name__}: {str(cause).splitlines()[0]})")
+        self.rank = rank
+
+
+class TrainerCapacityError(RuntimeError):
+    """No resources for a replacement trainer group appeared within the wait."""
 
 
 class TrainerActor:
@@ -104,6 +125,13 @@ class TrainerActor:
     def find_checkpoint(self, resume: Resume) -> str | None:
         return find_checkpoint(resume)
 
+    def claim_epoch(self) -> int:
+        return self.checkpointer.claim_epoch()
+
+    def join_epoch(self, epoch: int) -> None:
+        """Every rank carries its group's epoch; rank 0, which withdraws and commits, is fenced by it."""
+        self.checkpointer.epoch = epoch
+
     def load_checkpoint(self, uri: str) -> dict:
         return self.checkpointer.load(uri)
 
@@ -139,31 +167,93 @@ class TrainerGroup:
     """``plan.paths.model``: a local directory or any model URI ``kuberl.storage.resolve`` accepts
     (s3://, gs://, hf://, pvc://): each rank resolves it on its own node."""
 
-    def __init__(self, spec, plan: RunPlan):
+    def __init__(self, spec, plan: RunPlan, *, ready_timeout: float | None = None):
+        """``ready_timeout``: how long the ranks may wait for their resources; by default as long
+        as it takes (the first group of a run: the cluster is just coming up)."""
+        self.spec, self.plan = spec, plan
+        self.world_size = plan.layout.world_size
+        self.actors: list = []
+        self.epoch = 0  # this group's generation: claimed under the checkpoint root when there is one
+        self._start(ready_timeout)
+
+    def _start(self, ready_timeout: float | None) -> None:
         from kuberl.train.worker import TrainerConfig
 
-        layout = plan.layout
-        self.world_size = layout.world_size
+        spec, plan, layout = self.spec, self.plan, self.plan.layout
         use_gpu = layout.gpus_per_rank > 0
         actor_cls = ray.remote(concurrency_groups={CONCURRENCY_GROUP: 1})(TrainerActor).options(
             num_gpus=layout.gpus_per_rank, **layout.slot_reservation(layout.trainer_resource, ray.cluster_resources()),
             **({"runtime_env": {"env_vars": dict(spec.rollout.env)}} if spec.rollout.env else {}))
         self.actors = [actor_cls.remote() for _ in range(self.world_size)]
-        master_addr, master_port = ray.get(self.actors[0].rendezvous.remote())
-        config = TrainerConfig.from_spec(spec, on_gpu=use_gpu)
-        log.info("trainer group: %d ranks, rendezvous %s:%d, %s", self.world_size, master_addr, master_port,
-                 "NCCL on GPU" if use_gpu else "gloo on CPU")
         try:
+            # Every rank placed (Ray starts an actor once its resources exist); rank 0 names the rendezvous.
+            addresses = [actor.rendezvous.remote() for actor in self.actors]
+            ready, _ = ray.wait(addresses, num_returns=self.world_size, timeout=ready_timeout)
+            if len(ready) < self.world_size:
+                raise TrainerCapacityError(
+                    f"only {len(ready)} of {self.world_size} trainer ranks got their resources "
+                    f"({layout.gpus_per_rank} GPUs each) within {ready_timeout:.0f} s")
+            master_addr, master_port = self._gather(addresses)[0]
+            config = TrainerConfig.from_spec(spec, on_gpu=use_gpu)
+            log.info("trainer group: %d ranks, rendezvous %s:%d, %s", self.world_size, master_addr, master_port,
+                     "NCCL on GPU" if use_gpu else "gloo on CPU")
             # (node, GPU id) per rank: colocated engines run on these GPUs.
-            self.gpu_slots = ray.get([actor.setup.remote(plan, config, rank=rank, master_addr=master_addr,
-                                                         master_port=master_port, numa_policy=spec.numa.policy)
-                                      for rank, actor in enumerate(self.actors)])
-        except Exception:
+            self.gpu_slots = self._gather([actor.setup.remote(plan, config, rank=rank, master_addr=master_addr,
+                                                              master_port=master_port, numa_policy=spec.numa.policy)
+                                           for rank, actor in enumerate(self.actors)])
+            if plan.checkpoints.root:  # fences out every older group's checkpoint writes
+                self.epoch = self._gather([self.actors[0].claim_epoch.remote()])[0]
+                self._gather([actor.join_epoch.remote(self.epoch) for actor in self.actors])
+            else:
+                self.epoch += 1
+        except TrainerCapacityError:
+            self.kill()  # ranks never placed have nothing to close
+            raise
+        except BaseException:
             self.shutdown()
             raise
 
+    def replace(self, ready_timeout: float) -> None:
+        """A rank was lost: end every rank now (the survivors may be stuck in a collective with it),
+        then start a new group of the next epoch, waiting at most ``ready_timeout`` seconds for
+        its resources (in a cluster: KubeRay's replacement pod joining)."""
+        self.kill()
+        self._start(ready_timeout)
+
+    def _gather(self, refs: list) -> list[Any]:
+        """The results of one call per rank, in rank order; ``TrainerLost`` as soon as a rank's
+        actor is dead, whether the others have returned or not."""
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results = {}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                results[ready[0]] = ray.get(ready[0])
+            except ray.exceptions.RayActorError as exc:
+                raise TrainerLost(rank_of[ready[0]], exc) from None
+            except ray.exceptions.RayTaskError:
+                lost = self._dead_peer(pending, rank_of)
+                if lost is not None:
+                    raise lost from None
+                raise
+        return [results[ref] for ref in refs]
+
+    @staticmethod
+    def _dead_peer(pending: list, rank_of: dict) -> TrainerLost | None:
+        """After one rank's call raised: the first rank found dead among the rest, if any."""
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=PEER_DEATH_GRACE_S)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                return TrainerLost(rank_of[ref], exc)
+            except ray.exceptions.RayError:
+                pass
+        return None
+
     def _all(self, method: str, *args, **kwargs) -> list[Any]:
-        return ray.get([actor.call.remote(method, *args, **kwargs) for actor in self.actors])
+        return self._gather([actor.call.remote(method, *args, **kwargs) for actor in self.actors])
 
     def log_probs(self, batch: TrainBatch) -> list[list[float]]:
         return self._all("log_probs", batch)[0]
@@ -178,30 +268,30 @@ class TrainerGroup:
 
     def save_checkpoint(self, step: int) -> float:
         """Every rank starts writing its shards; returns the longest stall a rank saw."""
-        return max(ray.get([actor.save_checkpoint.remote(step) for actor in self.actors]))
+        return max(self._gather([actor.save_checkpoint.remote(step) for actor in self.actors]))
 
     def checkpoint_uploaded(self, step: int) -> list[dict]:
         """Every rank's files of checkpoint ``step``, once all are durable (runs beside training)."""
-        return [f for files in ray.get([actor.checkpoint_uploaded.remote(step) for actor in self.actors])
+        return [f for files in self._gather([actor.checkpoint_uploaded.remote(step) for actor in self.actors])
                 for f in files]
 
     def commit_checkpoint(self, step: int, files: list[dict], driver_state: dict) -> str:
-        return ray.get(self.actors[0].commit_checkpoint.remote(step, files, driver_state))
+        return self._gather([self.actors[0].commit_checkpoint.remote(step, files, driver_state)])[0]
 
     def find_checkpoint(self, resume: Resume) -> str | None:
         """Asked of rank 0: the trainers hold the checkpoint credentials, the driver none."""
-        return ray.get(self.actors[0].find_checkpoint.remote(resume))
+        return self._gather([self.actors[0].find_checkpoint.remote(resume)])[0]
 
     def load_checkpoint(self, uri: str) -> dict:
-        return ray.get([actor.load_checkpoint.remote(uri) for actor in self.actors])[0]
+        return self._gather([actor.load_checkpoint.remote(uri) for actor in self.actors])[0]
 
     def export_hugging_face(self, target_uri: str) -> str:
         """The trained model as a Hugging Face checkpoint at ``target_uri`` (the run plan's
         ``checkpoints.export_uri``), written from rank 0's node: nothing passes through the driver."""
-        return ray.get([actor.export_hugging_face.remote(target_uri) for actor in self.actors])[0]
+        return self._gather([actor.export_hugging_face.remote(target_uri) for actor in self.actors])[0]
 
     def execute(self, fn: Callable[..., Any], *args, **kwargs) -> list[Any]:
-        return ray.get([actor.execute.remote(fn, *args, **kwargs) for actor in self.actors])
+        return self._gather([actor.execute.remote(fn, *args, **kwargs) for actor in self.actors])
 
     def shutdown(self) -> None:
         """Leave the process group and remove staged model copies, then end the actors (killed
@@ -210,6 +300,10 @@ class TrainerGroup:
             ray.get([actor.close.remote() for actor in self.actors], timeout=CLOSE_TIMEOUT_S)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             log.warning("trainer group: closing ranks failed (%s); killing them", exc)
+        self.kill()
+
+    def kill(self) -> None:
+        """End every rank at once, without closing anything (a lost group)."""
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
