@@ -11,6 +11,7 @@ their own; ``WorkQueue`` only wires it to asyncio.
   wait) schedules one more reconcile; of two pending deadlines for a job the earlier wins.
 - **Write tracking.** The job as our own last status write returned it: the watch may not have
   delivered it yet, and reconciling from the older cached copy would repeat transitions and events.
+  When the watch does deliver it (the same resourceVersion), that echo triggers nothing.
 - **Resync.** Every job is triggered every ``resync_seconds``, the safety net of a
   level-triggered controller.
 
@@ -91,6 +92,16 @@ class QueueState:
 
     def record_write(self, key: Key, obj: dict[str, Any]) -> None:
         self.written[key] = obj
+
+    def is_echo(self, key: Key, event: dict[str, Any]) -> bool:
+        """``event`` (a watch event's copy of job ``key``) is our own last status write coming back:
+        the reconcile that wrote it had already done everything that state asks for, so it needs
+        no reconcile. Any other write (the user's, the driver's) has another resourceVersion."""
+        written = self.written.get(key)
+        if written is None:
+            return False
+        ours, theirs = written["metadata"], event.get("metadata") or {}
+        return ours.get("uid") == theirs.get("uid") and ours.get("resourceVersion") == theirs.get("resourceVersion")
 
     def latest(self, key: Key, cached: dict[str, Any]) -> dict[str, Any]:
         """The copy of job ``key`` to reconcile from: the cached one or our own newer write."""
