@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -46,31 +47,59 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-class Watcher(threading.Thread):
-    """Records the first time each object of a list function appears (optionally: with a condition)."""
+def _watch(kubeconfig: str, plural: str, needs_phase: bool, out, stop) -> None:
+    """In a process of its own: put (name, monotonic time) on ``out`` when each object in the
+    namespace first appears (with ``needs_phase``: first has status.phase)."""
+    import kubernetes
 
-    def __init__(self, list_fn, args, ready=lambda obj: True) -> None:
-        super().__init__(daemon=True)
-        self.list_fn, self.args, self.ready = list_fn, args, ready
+    custom = kubernetes.client.CustomObjectsApi(kubernetes.config.new_client_from_config(config_file=kubeconfig))
+    group, version = ("kuberl.dev", "v1alpha1") if plural == "rltrainingjobs" else ("ray.io", "v1")
+    seen: set[str] = set()
+    out.put(None)  # ready: the first list+watch follows
+    while not stop.is_set():
+        try:
+            for event in kubernetes.watch.Watch().stream(custom.list_namespaced_custom_object, group, version,
+                                                         NAMESPACE, plural, timeout_seconds=60):
+                obj = event["object"]
+                name = obj["metadata"]["name"]
+                if name not in seen and event["type"] in ("ADDED", "MODIFIED") \
+                        and (not needs_phase or (obj.get("status") or {}).get("phase")):
+                    seen.add(name)
+                    out.put((name, time.monotonic()))
+                if stop.is_set():
+                    break
+        except Exception:  # a dropped watch is re-opened; list+watch replays ADDED events
+            time.sleep(0.2)
+
+
+class Watcher:
+    """Records the first time each object of ``plural`` appears (with ``needs_phase``: has a
+    status.phase). Each watch runs in a process of its own and stamps the time there: in threads
+    of this process, which also creates the jobs, the watches lagged behind the API server by
+    seconds under load (a RayJob seen after the status the operator writes after creating it).
+    CLOCK_MONOTONIC is one clock for every process of the machine."""
+
+    def __init__(self, kubeconfig: str, plural: str, needs_phase: bool = False) -> None:
         self.seen: dict[str, float] = {}
-        self.stop = threading.Event()
+        spawn = multiprocessing.get_context("spawn")  # not fork: this process runs threads
+        self._queue = spawn.Queue()
+        self.stop = spawn.Event()
+        self.ready = threading.Event()
+        self._process = spawn.Process(target=_watch, args=(kubeconfig, plural, needs_phase, self._queue,
+                                                                     self.stop), daemon=True)
+        self._drain = threading.Thread(target=self._collect, daemon=True)
 
-    def run(self) -> None:
-        import kubernetes
+    def start(self) -> None:
+        self._process.start()
+        self._drain.start()
 
-        while not self.stop.is_set():
-            watch = kubernetes.watch.Watch()
-            try:
-                for event in watch.stream(self.list_fn, *self.args, timeout_seconds=60):
-                    obj = event["object"]
-                    obj = obj if isinstance(obj, dict) else obj.to_dict()
-                    name = obj["metadata"]["name"]
-                    if name not in self.seen and event["type"] in ("ADDED", "MODIFIED") and self.ready(obj):
-                        self.seen[name] = time.monotonic()
-                    if self.stop.is_set():
-                        break
-            except Exception:  # a dropped watch is re-opened; list+watch replays ADDED events
-                time.sleep(0.2)
+    def _collect(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self.ready.set()
+            else:
+                self.seen.setdefault(*item)
 
 
 def job_manifest(name: str) -> dict:
@@ -101,15 +130,14 @@ def run(jobs: int, rate: float, timeout: float, profile: str | None = None) -> d
         cluster.kubectl("create", "namespace", NAMESPACE)
         client = cluster.api_client()
         custom = kubernetes.client.CustomObjectsApi(client)
-        watchers = {
-            "rayjob": Watcher(custom.list_namespaced_custom_object, ("ray.io", "v1", NAMESPACE, "rayjobs")),
-            "raycluster": Watcher(custom.list_namespaced_custom_object, ("ray.io", "v1", NAMESPACE, "rayclusters")),
-            "status": Watcher(custom.list_namespaced_custom_object,
-                              ("kuberl.dev", "v1alpha1", NAMESPACE, "rltrainingjobs"),
-                              ready=lambda o: bool((o.get("status") or {}).get("phase"))),
-        }
+        kubeconfig = str(cluster.kubeconfig)
+        watchers = {"rayjob": Watcher(kubeconfig, "rayjobs"), "raycluster": Watcher(kubeconfig, "rayclusters"),
+                    "status": Watcher(kubeconfig, "rltrainingjobs", needs_phase=True)}
         for w in watchers.values():
             w.start()
+        for w in watchers.values():
+            if not w.ready.wait(60):
+                raise RuntimeError("a watcher process did not start within 60 s")
         log = open(cluster.workdir / "logs" / "kuberl-operator.log", "wb")
         launch = [sys.executable, str(REPO / "bench" / "profile_operator.py"), profile] if profile else \
             [sys.executable, "-m", "kuberl_operator"]
