@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--restart-backoff-max", type=float, default=300.0, help="cap of the restart backoff")
     p.add_argument("--resync", type=float, default=60.0, help="seconds between full resyncs of every job")
     p.add_argument("--workers", type=int, default=16,
-                   help="reconciles running at once (threads: the kubernetes client blocks on I/O)")
+                   help="reconciles running at once, and as many concurrent applies of their objects "
+                        "(threads: the kubernetes client blocks on I/O)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     if not args.namespace and not args.all_namespaces:
