@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 
 import yaml
@@ -121,6 +122,17 @@ def rss_peak_mib(pid: int) -> float:
     return float("nan")
 
 
+def server_stamped(custom) -> list[float]:
+    """create -> RayJob by the API server's own clock: the RayJob's creationTimestamp minus its
+    RLTrainingJob's (whole seconds, so +-1 s), with no watch in between to lag under load."""
+    def made(group: str, version: str, plural: str) -> dict[str, datetime]:
+        items = custom.list_namespaced_custom_object(group, version, NAMESPACE, plural)["items"]
+        return {o["metadata"]["name"]: datetime.fromisoformat(o["metadata"]["creationTimestamp"]) for o in items}
+
+    jobs, ray_jobs = made("kuberl.dev", "v1alpha1", "rltrainingjobs"), made("ray.io", "v1", "rayjobs")
+    return [(ray_jobs[n] - jobs[n]).total_seconds() for n in jobs if n in ray_jobs]
+
+
 def run(jobs: int, rate: float, timeout: float, profile: str | None = None) -> dict:
     import kubernetes
 
@@ -169,6 +181,7 @@ def run(jobs: int, rate: float, timeout: float, profile: str | None = None) -> d
                     break
                 time.sleep(0.5)
             peak = rss_peak_mib(operator.pid)
+            stamped = server_stamped(custom)
             cpu = cpu_seconds(operator.pid)
             wall = time.monotonic() - start
         finally:
@@ -185,9 +198,11 @@ def run(jobs: int, rate: float, timeout: float, profile: str | None = None) -> d
         to_cluster = [by_job[n] - ray_jobs[n] for n in names if n in by_job and n in ray_jobs]
         return {
             "jobs": jobs, "rate_per_s": rate, "create_seconds": round(create_seconds, 2),
-            "complete": {"rayjob": len(to_ray_job), "status": len(to_status), "raycluster": len(to_cluster)},
+            "complete": {"rayjob": len(to_ray_job), "status": len(to_status), "raycluster": len(to_cluster),
+                         "rayjob_server": len(stamped)},
             "kuberl_create_to_rayjob_s": {"p50": percentile(to_ray_job, 0.5), "p99": percentile(to_ray_job, 0.99)},
             "kuberl_create_to_status_s": {"p50": percentile(to_status, 0.5), "p99": percentile(to_status, 0.99)},
+            "kuberl_create_to_rayjob_server_s": {"p50": percentile(stamped, 0.5), "p99": percentile(stamped, 0.99)},
             "kuberay_rayjob_to_raycluster_s": {"p50": percentile(to_cluster, 0.5), "p99": percentile(to_cluster, 0.99)},
             "operator_peak_rss_mib": round(peak, 1),
             "operator_cpu_s": round(cpu, 1), "wall_s": round(wall, 1),
@@ -199,6 +214,8 @@ def run(jobs: int, rate: float, timeout: float, profile: str | None = None) -> d
 def table(result: dict) -> str:
     rows = [("kuberl: create -> RayJob created", result["kuberl_create_to_rayjob_s"], result["complete"]["rayjob"]),
             ("kuberl: create -> status set", result["kuberl_create_to_status_s"], result["complete"]["status"]),
+            ("kuberl: create -> RayJob, creationTimestamps", result["kuberl_create_to_rayjob_server_s"],
+             result["complete"]["rayjob_server"]),
             ("KubeRay: RayJob -> RayCluster (reference)", result["kuberay_rayjob_to_raycluster_s"], result["complete"]["raycluster"])]
     lines = [f"{result['jobs']} RLTrainingJobs created at {result['rate_per_s']}/s over {result['create_seconds']} s",
              f"{'step':44s} {'p50 s':>8s} {'p99 s':>8s} {'seen':>6s}"]
