@@ -47,8 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--restart-backoff-max", type=float, default=300.0, help="cap of the restart backoff")
     p.add_argument("--resync", type=float, default=60.0, help="seconds between full resyncs of every job")
     p.add_argument("--workers", type=int, default=16,
-                   help="reconciles running at once, and as many concurrent applies of their objects "
-                        "(threads: the kubernetes client blocks on I/O)")
+                   help="reconciles running at once (threads: the kubernetes client blocks on I/O)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     if not args.namespace and not args.all_namespaces:
@@ -66,9 +65,7 @@ async def run(args: argparse.Namespace) -> None:
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(args.workers, thread_name_prefix="reconcile"))
     registry = kopf.OperatorRegistry()
     register(registry)
-    # A connection per reconcile thread and per apply thread (``Kube.apply_all``).
-    kube = Kube(load_client(args.kubeconfig, pool_size=2 * args.workers), fanout=args.workers)
-    controller = Controller(kube, settings, Metrics(lambda: controller.job_phases()))
+    controller = Controller(Kube(load_client(args.kubeconfig, pool_size=args.workers)), settings, Metrics(lambda: controller.job_phases()))
     if args.metrics_port:
         start_http_server(args.metrics_port, args.metrics_address, registry=controller.metrics.registry)
 

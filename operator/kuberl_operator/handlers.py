@@ -28,7 +28,7 @@ from kuberl_operator import observed as o
 from kuberl_operator.invalid import checked_plan
 from kuberl_operator.kube import Kube
 from kuberl_operator.metrics import Metrics
-from kuberl_operator.reconcile import Event, Plan, Settings, next_action, records_restart
+from kuberl_operator.reconcile import Event, Plan, Settings, next_action
 from kuberl_operator.status import status_changed
 from kuberl_operator.workqueue import Key, WorkQueue
 
@@ -132,19 +132,19 @@ class Controller:
             self.kube.delete(t.KIND, ns, name)
             self._post(body, plan.events)
             return
-        status_first = records_restart(body.get("status"), plan.status)
-        if status_first:
-            self._write_status(body, plan)
+        # Status first: a restart is recorded (restarts += 1) before its RayJob exists, so a crash in
+        # between resumes the same attempt instead of starting another.
+        if status_changed(body.get("status"), plan.status):
+            written = self.kube.merge_patch(t.KIND, ns, name, {"status": plan.status}, subresource="status")
+            written["metadata"].pop("managedFields", None)
+            self.queue.state.record_write((ns, name), written)
         events = plan.events
-        # The RayJob's dependencies (ServiceAccount, RBAC, ConfigMap, NetworkPolicy) are applied
-        # together, one round trip, and the RayJob only once all of them exist.
-        self.kube.apply_all([obj for obj in plan.apply if obj["kind"] != "RayJob"])
         for obj in plan.apply:
-            if obj["kind"] == "RayJob" and not self.kube.create(obj):
+            if obj["kind"] != "RayJob":
+                self.kube.apply(obj)
+            elif not self.kube.create(obj):
                 # Already there (the watch had not shown it yet): adopted, not created again.
                 events = [e for e in events if e.reason != "Creating"]
-        if not status_first:
-            self._write_status(body, plan)
         if plan.suspend is not None:
             ray_job, suspend = plan.suspend
             self.kube.merge_patch("RayJob", ns, ray_job, {"spec": {"suspend": suspend}})
@@ -153,15 +153,6 @@ class Controller:
         if any(e.reason == "Restarting" for e in events):
             self.metrics.restarts.inc()
         self._post(body, events)
-
-    def _write_status(self, body: dict[str, Any], plan: Plan) -> None:
-        if not status_changed(body.get("status"), plan.status):
-            return
-        meta = body["metadata"]
-        written = self.kube.merge_patch(t.KIND, meta["namespace"], meta["name"], {"status": plan.status},
-                                        subresource="status")
-        written["metadata"].pop("managedFields", None)
-        self.queue.state.record_write((meta["namespace"], meta["name"]), written)
 
     @staticmethod
     def _post(body: dict[str, Any], events: list[Event]) -> None:

@@ -9,7 +9,6 @@ streams, never from here.
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import kubernetes
@@ -35,7 +34,7 @@ MERGE = "application/merge-patch+json"
 
 def load_client(kubeconfig: str | None = None, pool_size: int = 16) -> kubernetes.client.ApiClient:
     """The given kubeconfig, else in-cluster credentials, else ``$KUBECONFIG``; ``pool_size``
-    connections, one per thread that writes (the default, 5 x CPUs, makes threads drop and redial)."""
+    connections, one per reconcile thread (the default, 5 x CPUs, makes threads drop and redial)."""
     config = kubernetes.client.Configuration()
     if kubeconfig:
         kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=config)
@@ -59,12 +58,10 @@ def _path(kind: str, namespace: str, name: str | None = None, subresource: str |
 
 
 class Kube:
-    """Writes through one ApiClient (connection pool shared by the reconcile threads); independent
-    applies go out at once through ``fanout`` threads."""
+    """Writes through one ApiClient (connection pool shared by the reconcile threads)."""
 
-    def __init__(self, client: kubernetes.client.ApiClient, fanout: int = 16) -> None:
+    def __init__(self, client: kubernetes.client.ApiClient) -> None:
         self.client = client
-        self._fanout = ThreadPoolExecutor(fanout, thread_name_prefix="apply")
 
     def _request(self, method: str, path: str, body: Any = None, content_type: str | None = None,
                  query: list[tuple[str, str]] | None = None) -> dict[str, Any]:
@@ -84,14 +81,6 @@ class Kube:
         meta = obj["metadata"]
         return self._request("PATCH", _path(obj["kind"], meta["namespace"], meta["name"]), obj, APPLY,
                              [("fieldManager", FIELD_MANAGER), ("force", "true")])
-
-    def apply_all(self, objs: list[dict[str, Any]]) -> None:
-        """Apply independent objects concurrently; returns once every one is applied, raising the
-        first error (the others still finish: applies are idempotent)."""
-        futures = [self._fanout.submit(self.apply, obj) for obj in objs]
-        wait(futures)
-        for future in futures:
-            future.result()
 
     def create(self, obj: dict[str, Any]) -> bool:
         """Create; an object of that name already there is adopted (False), never duplicated."""

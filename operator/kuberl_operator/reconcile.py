@@ -133,14 +133,6 @@ def desired_objects(job: t.RLTrainingJob, observed: o.Observed, attempt: int | N
     return objects
 
 
-def records_restart(old_status: dict[str, Any] | None, new_status: dict[str, Any]) -> bool:
-    """The plan's status counts a restart the stored one does not: it must be written before the
-    restart's RayJob exists, so a crash in between resumes that attempt instead of starting
-    another. Any other status is written after the RayJob is created (it is not on the way from
-    a create to its RayJob)."""
-    return new_status.get("restarts", 0) != (old_status or {}).get("restarts", 0)
-
-
 def backoff_seconds(settings: Settings, attempt: int) -> float:
     """Wait before restart ``attempt + 1``: base * 2^attempt, capped."""
     return min(settings.restart_backoff_seconds * (2 ** attempt), settings.restart_backoff_max_seconds)

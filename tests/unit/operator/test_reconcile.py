@@ -9,8 +9,7 @@ import yaml
 from kuberl.job import plan as plans
 from kuberl.api.contract import ATTEMPT_ANNOTATION, CONFIG_FILE, PLAN_FILE
 from kuberl.job.render import render
-from kuberl_operator.reconcile import (Settings, backoff_seconds, current_attempt, desired_objects, next_action,
-                                      records_restart)
+from kuberl_operator.reconcile import Settings, backoff_seconds, current_attempt, desired_objects, next_action
 from tests.unit.operator.factories import NOW, job, observed, ray_job
 
 SETTINGS = Settings(restart_backoff_seconds=10, restart_backoff_max_seconds=60)
@@ -64,18 +63,6 @@ def test_failure_waits_for_backoff_then_restarts_from_last_checkpoint():
     assert run_plan.attempt == 1 and run_plan.resume == plans.Resume(newest_under=ROOT)
     assert plan.delete_ray_jobs == ["tiny"]
     assert any(e.reason == "Restarting" for e in plan.events)
-
-
-def test_only_a_restarts_status_is_written_before_its_rayjob():
-    """A new job's RayJob goes out before its status (the create's critical path); a restart's
-    count is stored first, so a crash in between resumes that attempt instead of another."""
-    assert not records_restart(None, next_action(job(), observed(), NOW, SETTINGS).status)
-    failed = ray_job("tiny", deployment="Failed", job_status="FAILED", reason="AppFailed",
-                     endTime="2026-01-01T11:59:55Z")
-    j = job(status=CHECKPOINT, checkpoint={"uri": ROOT})
-    assert records_restart(CHECKPOINT, next_action(j, observed(failed), NOW + timedelta(seconds=6), SETTINGS).status)
-    running = next_action(j, observed(ray_job("tiny", deployment="Running")), NOW, SETTINGS)
-    assert not records_restart(CHECKPOINT, running.status)
 
 
 def test_backoff_doubles_and_is_capped():
