@@ -12,12 +12,14 @@ plus the operator's peak RSS (VmHWM). Latencies are wall-clock times at which on
 client saw each object appear, so watch delivery is included for both operators alike.
 
     python bench/operator_scale.py --jobs 1000 --rate 20 --json out.json
+    python bench/operator_scale.py --jobs 300 --rate 10 --profile operator.prof   # where its time goes
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -25,6 +27,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 
 import yaml
@@ -45,31 +48,59 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-class Watcher(threading.Thread):
-    """Records the first time each object of a list function appears (optionally: with a condition)."""
+def _watch(kubeconfig: str, plural: str, needs_phase: bool, out, stop) -> None:
+    """In a process of its own: put (name, monotonic time) on ``out`` when each object in the
+    namespace first appears (with ``needs_phase``: first has status.phase)."""
+    import kubernetes
 
-    def __init__(self, list_fn, args, ready=lambda obj: True) -> None:
-        super().__init__(daemon=True)
-        self.list_fn, self.args, self.ready = list_fn, args, ready
+    custom = kubernetes.client.CustomObjectsApi(kubernetes.config.new_client_from_config(config_file=kubeconfig))
+    group, version = ("kuberl.dev", "v1alpha1") if plural == "rltrainingjobs" else ("ray.io", "v1")
+    seen: set[str] = set()
+    out.put(None)  # ready: the first list+watch follows
+    while not stop.is_set():
+        try:
+            for event in kubernetes.watch.Watch().stream(custom.list_namespaced_custom_object, group, version,
+                                                         NAMESPACE, plural, timeout_seconds=60):
+                obj = event["object"]
+                name = obj["metadata"]["name"]
+                if name not in seen and event["type"] in ("ADDED", "MODIFIED") \
+                        and (not needs_phase or (obj.get("status") or {}).get("phase")):
+                    seen.add(name)
+                    out.put((name, time.monotonic()))
+                if stop.is_set():
+                    break
+        except Exception:  # a dropped watch is re-opened; list+watch replays ADDED events
+            time.sleep(0.2)
+
+
+class Watcher:
+    """Records the first time each object of ``plural`` appears (with ``needs_phase``: has a
+    status.phase). Each watch runs in a process of its own and stamps the time there: in threads
+    of this process, which also creates the jobs, the watches lagged behind the API server by
+    seconds under load (a RayJob seen after the status the operator writes after creating it).
+    CLOCK_MONOTONIC is one clock for every process of the machine."""
+
+    def __init__(self, kubeconfig: str, plural: str, needs_phase: bool = False) -> None:
         self.seen: dict[str, float] = {}
-        self.stop = threading.Event()
+        spawn = multiprocessing.get_context("spawn")  # not fork: this process runs threads
+        self._queue = spawn.Queue()
+        self.stop = spawn.Event()
+        self.ready = threading.Event()
+        self._process = spawn.Process(target=_watch, args=(kubeconfig, plural, needs_phase, self._queue,
+                                                                     self.stop), daemon=True)
+        self._drain = threading.Thread(target=self._collect, daemon=True)
 
-    def run(self) -> None:
-        import kubernetes
+    def start(self) -> None:
+        self._process.start()
+        self._drain.start()
 
-        while not self.stop.is_set():
-            watch = kubernetes.watch.Watch()
-            try:
-                for event in watch.stream(self.list_fn, *self.args, timeout_seconds=60):
-                    obj = event["object"]
-                    obj = obj if isinstance(obj, dict) else obj.to_dict()
-                    name = obj["metadata"]["name"]
-                    if name not in self.seen and event["type"] in ("ADDED", "MODIFIED") and self.ready(obj):
-                        self.seen[name] = time.monotonic()
-                    if self.stop.is_set():
-                        break
-            except Exception:  # a dropped watch is re-opened; list+watch replays ADDED events
-                time.sleep(0.2)
+    def _collect(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self.ready.set()
+            else:
+                self.seen.setdefault(*item)
 
 
 def job_manifest(name: str) -> dict:
@@ -91,7 +122,18 @@ def rss_peak_mib(pid: int) -> float:
     return float("nan")
 
 
-def run(jobs: int, rate: float, timeout: float) -> dict:
+def server_stamped(custom) -> list[float]:
+    """create -> RayJob by the API server's own clock: the RayJob's creationTimestamp minus its
+    RLTrainingJob's (whole seconds, so +-1 s), with no watch in between to lag under load."""
+    def made(group: str, version: str, plural: str) -> dict[str, datetime]:
+        items = custom.list_namespaced_custom_object(group, version, NAMESPACE, plural)["items"]
+        return {o["metadata"]["name"]: datetime.fromisoformat(o["metadata"]["creationTimestamp"]) for o in items}
+
+    jobs, ray_jobs = made("kuberl.dev", "v1alpha1", "rltrainingjobs"), made("ray.io", "v1", "rayjobs")
+    return [(ray_jobs[n] - jobs[n]).total_seconds() for n in jobs if n in ray_jobs]
+
+
+def run(jobs: int, rate: float, timeout: float, profile: str | None = None) -> dict:
     import kubernetes
 
     with Cluster() as cluster:
@@ -100,18 +142,19 @@ def run(jobs: int, rate: float, timeout: float) -> dict:
         cluster.kubectl("create", "namespace", NAMESPACE)
         client = cluster.api_client()
         custom = kubernetes.client.CustomObjectsApi(client)
-        watchers = {
-            "rayjob": Watcher(custom.list_namespaced_custom_object, ("ray.io", "v1", NAMESPACE, "rayjobs")),
-            "raycluster": Watcher(custom.list_namespaced_custom_object, ("ray.io", "v1", NAMESPACE, "rayclusters")),
-            "status": Watcher(custom.list_namespaced_custom_object,
-                              ("kuberl.dev", "v1alpha1", NAMESPACE, "rltrainingjobs"),
-                              ready=lambda o: bool((o.get("status") or {}).get("phase"))),
-        }
+        kubeconfig = str(cluster.kubeconfig)
+        watchers = {"rayjob": Watcher(kubeconfig, "rayjobs"), "raycluster": Watcher(kubeconfig, "rayclusters"),
+                    "status": Watcher(kubeconfig, "rltrainingjobs", needs_phase=True)}
         for w in watchers.values():
             w.start()
+        for w in watchers.values():
+            if not w.ready.wait(60):
+                raise RuntimeError("a watcher process did not start within 60 s")
         log = open(cluster.workdir / "logs" / "kuberl-operator.log", "wb")
+        launch = [sys.executable, str(REPO / "bench" / "profile_operator.py"), profile] if profile else \
+            [sys.executable, "-m", "kuberl_operator"]
         operator = subprocess.Popen(
-            [sys.executable, "-m", "kuberl_operator", "--namespace", NAMESPACE, "--kubeconfig", str(cluster.kubeconfig),
+            [*launch, "--namespace", NAMESPACE, "--kubeconfig", str(cluster.kubeconfig),
              "--metrics-port", "0", "--liveness", "", "--log-level", "WARNING"],
             stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -138,6 +181,7 @@ def run(jobs: int, rate: float, timeout: float) -> dict:
                     break
                 time.sleep(0.5)
             peak = rss_peak_mib(operator.pid)
+            stamped = server_stamped(custom)
             cpu = cpu_seconds(operator.pid)
             wall = time.monotonic() - start
         finally:
@@ -154,9 +198,11 @@ def run(jobs: int, rate: float, timeout: float) -> dict:
         to_cluster = [by_job[n] - ray_jobs[n] for n in names if n in by_job and n in ray_jobs]
         return {
             "jobs": jobs, "rate_per_s": rate, "create_seconds": round(create_seconds, 2),
-            "complete": {"rayjob": len(to_ray_job), "status": len(to_status), "raycluster": len(to_cluster)},
+            "complete": {"rayjob": len(to_ray_job), "status": len(to_status), "raycluster": len(to_cluster),
+                         "rayjob_server": len(stamped)},
             "kuberl_create_to_rayjob_s": {"p50": percentile(to_ray_job, 0.5), "p99": percentile(to_ray_job, 0.99)},
             "kuberl_create_to_status_s": {"p50": percentile(to_status, 0.5), "p99": percentile(to_status, 0.99)},
+            "kuberl_create_to_rayjob_server_s": {"p50": percentile(stamped, 0.5), "p99": percentile(stamped, 0.99)},
             "kuberay_rayjob_to_raycluster_s": {"p50": percentile(to_cluster, 0.5), "p99": percentile(to_cluster, 0.99)},
             "operator_peak_rss_mib": round(peak, 1),
             "operator_cpu_s": round(cpu, 1), "wall_s": round(wall, 1),
@@ -168,6 +214,8 @@ def run(jobs: int, rate: float, timeout: float) -> dict:
 def table(result: dict) -> str:
     rows = [("kuberl: create -> RayJob created", result["kuberl_create_to_rayjob_s"], result["complete"]["rayjob"]),
             ("kuberl: create -> status set", result["kuberl_create_to_status_s"], result["complete"]["status"]),
+            ("kuberl: create -> RayJob, creationTimestamps", result["kuberl_create_to_rayjob_server_s"],
+             result["complete"]["rayjob_server"]),
             ("KubeRay: RayJob -> RayCluster (reference)", result["kuberay_rayjob_to_raycluster_s"], result["complete"]["raycluster"])]
     lines = [f"{result['jobs']} RLTrainingJobs created at {result['rate_per_s']}/s over {result['create_seconds']} s",
              f"{'step':44s} {'p50 s':>8s} {'p99 s':>8s} {'seen':>6s}"]
@@ -188,10 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=20.0, help="creations per second")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every object after the last create")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--profile", metavar="PATH",
+                   help="run the operator under cProfile (every thread; slows it) and write the stats to PATH")
     args = p.parse_args(argv)
     if args.jobs < 1 or args.rate <= 0:
         p.error("--jobs must be >= 1 and --rate > 0")
-    result = run(args.jobs, args.rate, args.timeout)
+    result = run(args.jobs, args.rate, args.timeout, args.profile)
     print(table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

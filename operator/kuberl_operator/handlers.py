@@ -223,10 +223,12 @@ def register(registry: kopf.OperatorRegistry) -> None:
         return controller
 
     @kopf.on.event(t.GROUP, t.VERSION, t.PLURAL, id="job_changed", registry=registry)
-    async def job_changed(namespace, name, type, memo, **kwargs):
+    async def job_changed(namespace, name, type, body, memo, **kwargs):
         controller = _capture(memo, kwargs)
         if type == "DELETED":
             controller.queue.forget((namespace, name))
+            return
+        if controller.queue.state.is_echo((namespace, name), body):
             return
         await controller.queue.trigger((namespace, name))
 

@@ -64,6 +64,18 @@ def test_our_own_newer_status_write_is_reconciled_from():
     assert q.latest(A, cached) is cached
 
 
+def test_only_the_echo_of_our_own_last_write_is_skipped():
+    q = QueueState()
+    assert not q.is_echo(A, obj("u1", "9"))          # nothing written yet
+    q.record_write(A, obj("u1", "9"))
+    assert q.is_echo(A, obj("u1", "9"))
+    assert not q.is_echo(A, obj("u1", "10"))         # someone else's write after ours
+    assert not q.is_echo(A, obj("u2", "9"))          # a job recreated under the same name
+    assert not q.is_echo(B, obj("u1", "9"))
+    q.forget(A)
+    assert not q.is_echo(A, obj("u1", "9"))
+
+
 @pytest.mark.parametrize("cached, written", [
     (obj("u1", "9"), obj("u1", "8")),     # the watch caught up
     (obj("u2", "1"), obj("u1", "9")),     # a job recreated under the same name

@@ -27,6 +27,9 @@ EXPORT_DIR = "hf"
 # libyaml's safe loader when PyYAML has it (its wheels do): 15x faster than the pure-Python one,
 # and the operator reads every job's ConfigMap (spec and plan) on every reconcile.
 YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+# Likewise libyaml's dumper: the operator writes a new job's spec and plan into its ConfigMap, and
+# the pure-Python emitter was the largest CPU item of rendering a job (bench/operator_scale.py).
+YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
 class Frozen(BaseModel):
@@ -122,7 +125,7 @@ class RunPlan(Frozen):
         return Path(self.paths.scratch) / f"rank-{rank}"
 
     def dump(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        return yaml.dump(self.model_dump(mode="json"), Dumper=YAML_DUMPER, sort_keys=False)
 
 
 def process_layout(spec: t.RLTrainingJobSpec) -> ProcessLayout:

@@ -373,7 +373,7 @@ def render_config_map(job: t.RLTrainingJob, *, attempt: int = 0, plan: plans.Run
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(job, config_map_name(job.metadata.name), "config"),
-        "data": {CONFIG_FILE: yaml.safe_dump(config, sort_keys=False),
+        "data": {CONFIG_FILE: yaml.dump(config, Dumper=plans.YAML_DUMPER, sort_keys=False),
                  PLAN_FILE: (plan or plans.for_cluster(job, attempt)).dump()},
     }
 
