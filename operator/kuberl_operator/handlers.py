@@ -220,6 +220,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
             # keep the same objects.
             controller.indices = {k: kwargs[k] for k in ("jobs_by_key", "ray_jobs_by_job", "ray_clusters_by_job",
                                                          "config_maps_by_job", "pods_by_job")}
+        controller.queue.adopt_context()
         return controller
 
     @kopf.on.event(t.GROUP, t.VERSION, t.PLURAL, id="job_changed", registry=registry)

@@ -27,6 +27,7 @@ per handler, where a plan asks for its own delay (the restart backoff, the TTL, 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,6 +131,18 @@ class WorkQueue:
         self.resync_seconds = resync_seconds
         self.state = QueueState()
         self._timers: dict[Key, asyncio.TimerHandle] = {}
+        # The context the reconciles that no watch event started (requeue timers, the resync) run
+        # in: kopf's (``adopt_context``, from a handler), whose ``kopf.event`` needs its context
+        # variables; without them those reconciles' Events were lost (LookupError: settings_var).
+        self.context: contextvars.Context | None = None
+
+    def adopt_context(self) -> None:
+        """Called from inside a kopf handler: later reconciles run in a copy of its context."""
+        if self.context is None:
+            self.context = contextvars.copy_context()
+
+    def _spawn(self, key: Key) -> None:
+        asyncio.get_running_loop().create_task(self.trigger(key), context=self.context and self.context.copy())
 
     async def trigger(self, key: Key) -> None:
         """Reconcile ``key`` now, or once more after the run in flight."""
@@ -159,7 +172,7 @@ class WorkQueue:
     def _fire(self, key: Key, at: float) -> None:
         if self.state.fire(key, at):
             self._timers.pop(key, None)
-            asyncio.ensure_future(self.trigger(key))
+            self._spawn(key)
 
     def forget(self, key: Key) -> None:
         timer = self._timers.pop(key, None)
@@ -171,4 +184,4 @@ class WorkQueue:
         while True:
             await asyncio.sleep(self.resync_seconds)
             for key in list(self.keys()):
-                asyncio.ensure_future(self.trigger(key))
+                self._spawn(key)

@@ -162,3 +162,33 @@ def test_the_resync_triggers_every_job():
         return rec
 
     assert sorted(asyncio.run(scenario()).runs[:2]) == [A, B]
+
+
+def test_timer_and_resync_reconciles_run_in_the_handlers_context():
+    """kopf.event needs kopf's context variables: a reconcile started by a requeue timer or the
+    resync (outside any handler) must still see them, or its Events are lost."""
+    import contextvars
+
+    settings = contextvars.ContextVar("settings")
+    seen: list[str] = []
+
+    async def reconcile(key):
+        seen.append(settings.get("missing"))
+        return 0.05 if len(seen) == 1 else None
+
+    async def scenario():
+        queue = WorkQueue(reconcile, lambda: [A], resync_seconds=0.05)
+
+        async def handler():  # what kopf runs, with its variables set
+            settings.set("kopf")
+            queue.adopt_context()
+            await queue.trigger(A)
+
+        await asyncio.get_running_loop().create_task(handler(), context=contextvars.Context())
+        resync = asyncio.get_running_loop().create_task(queue.resync_forever())  # outside any handler
+        while len(seen) < 3:
+            await asyncio.sleep(0.01)
+        resync.cancel()
+
+    asyncio.run(scenario())
+    assert seen[:3] == ["kopf", "kopf", "kopf"]  # the handler's run, the timer's, the resync's
