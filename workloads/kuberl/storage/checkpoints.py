@@ -65,11 +65,23 @@ class StaleEpoch(StorageError):
     """A rank of a trainer group that a newer group has replaced tried to change the root."""
 
 
+# The epoch file holds a decimal number and a newline; more than this is not kuberl's.
+EPOCH_MAX_BYTES = 32
+
+
 def _stored_epoch(fs, root: str, uri: str) -> int:
     path = f"{root}/{EPOCH}"
     if not with_retries(lambda: fs.exists(path), uri=uri):
         return 0
-    return int(with_retries(lambda: fs.cat_file(path), uri=uri).decode().strip())
+    # Only the head: the bucket's owner, not kuberl, decides what the file holds.
+    head = with_retries(lambda: fs.cat_file(path, start=0, end=EPOCH_MAX_BYTES + 1), uri=uri)
+    text = head.decode("ascii", errors="replace").strip()
+    if len(head) > EPOCH_MAX_BYTES or not text.isdigit():
+        raise StorageError(f"{uri}/{EPOCH}: not a trainer-group epoch (kuberl writes a number there: "
+                           f"found {text[:EPOCH_MAX_BYTES]!r}); it fences replaced trainer groups out of "
+                           f"the root. Delete it (only while no job writes checkpoints under {uri}) or "
+                           f"point checkpoint.uri at a root of its own")
+    return int(text)
 
 
 def claim_epoch(root_uri: str) -> int:
