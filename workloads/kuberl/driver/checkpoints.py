@@ -62,9 +62,10 @@ class CheckpointManager:
         had uploaded its shards (a checkpoint like any other) and otherwise fails with the lost
         rank (``TrainerLost``, at once): logged and dropped, never raised later."""
         pending, self._pending = self._pending, None
-        if pending is not None and pending.exception() is not None:
+        error = pending.exception() if pending is not None else None
+        if error is not None:
             log.warning("the checkpoint commit under way when the trainer group was lost did not finish (%s): "
-                        "the newest complete checkpoint is restored", pending.exception())
+                        "the newest complete checkpoint is restored", error)
 
     def close(self) -> None:
         try:

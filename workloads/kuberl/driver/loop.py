@@ -526,9 +526,8 @@ class Driver:
         # checkpoint like any other, and less to run again); one that waits on the lost rank fails
         # at once. Either way before the new group claims the root, so no old commit lands after.
         self.checkpoints.settle()
-        self.trainer.kill()
         try:
-            self.trainer.replace(TRAINER_REPLACEMENT_TIMEOUT_S)
+            self.trainer.replace(TRAINER_REPLACEMENT_TIMEOUT_S)  # ends the lost group first
         except TrainerCapacityError as exc:
             raise TrainerCapacityError(f"{lost} during step {self.step + 1}, and {exc}: a new attempt takes "
                                        f"over") from lost
