@@ -306,3 +306,24 @@ def test_a_huge_chat_does_not_stall_other_clients(base_url, pool, tokenizer):
     assert big["resp"].status_code == 400 and big["resp"].json()["error"]["param"] == "messages"
     assert len(latencies) >= 5, (latencies, tokenize_s)
     assert max(latencies) < tokenize_s / 4, (max(latencies), tokenize_s)
+
+
+def test_the_text_the_endpoint_decodes_is_vllms(pool, tokenizer):
+    """A request without stop strings is not detokenized step by step in the engine but decoded
+    once by the endpoint (``decode_samples``): the same seeded samples, detokenized by vLLM,
+    have the same text and the same per-token texts (the logprobs objects')."""
+    import ray
+
+    from kuberl.rollout.server import decode_samples
+
+    engine = pool.engines[0]
+    for i, text in enumerate(("abc", "Write the letter q.", "hi there, how are you")):
+        ids = tokenizer.encode(text)
+        request = dict(n=4, temperature=1.0, max_tokens=24, seed=10 + i, logprobs=True)
+        by_vllm = ray.get(engine.complete.remote(ids, **request))
+        here = ray.get(engine.complete.remote(ids, detokenize=False, **request))
+        assert [s.response_ids for s in here] == [s.response_ids for s in by_vllm]
+        assert all(s.response_text == "" and "tokens" not in s.metadata for s in here)
+        decode_samples(tokenizer, here, token_text=True)
+        assert [s.response_text for s in here] == [s.response_text for s in by_vllm]
+        assert [s.metadata["tokens"] for s in here] == [s.metadata["tokens"] for s in by_vllm]

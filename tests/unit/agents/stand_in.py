@@ -49,15 +49,17 @@ class ScriptedEngine:
         return self.tokenizer.encode("=", add_special_tokens=False) + [UNUSED_TOKEN, self.tokenizer.eos_token_id]
 
     def _complete(self, prompt_ids, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=16, stop=None,
-                  seed=None, logprobs=False):
+                  seed=None, logprobs=False, detokenize=True):
         self.requests.append({"prompt_ids": prompt_ids, "max_tokens": max_tokens, "seed": seed,
                               "temperature": temperature, "top_k": top_k})
         ids = self.reply_ids(prompt_ids)[:max_tokens]
         return [Sample(prompt_ids=list(prompt_ids), response_ids=ids,
                        response_logprobs=[-0.25] * len(ids) if logprobs else None, weight_version=3,
                        finish_reason="stop" if ids[-1] == self.tokenizer.eos_token_id else "length",
-                       response_text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                       metadata={"tokens": [self.tokenizer.decode([t]) for t in ids]})] * n
+                       # As the engine: no text when the endpoint decodes it.
+                       response_text=self.tokenizer.decode(ids, skip_special_tokens=True) if detokenize else "",
+                       metadata={"tokens": [self.tokenizer.decode([t]) for t in ids]} if detokenize else {})
+                for _ in range(n)]
 
 
 def make_spec(max_response_length: int = 64) -> RLTrainingJobSpec:

@@ -227,8 +227,10 @@ class RolloutEngine:
 
     async def complete(self, prompt_ids: list[int], *, n: int = 1, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = -1, max_tokens: int = 16, stop: list[str] | None = None,
-                       seed: int | None = None, logprobs: bool = False) -> list[Sample]:
-        """One request of the HTTP endpoint (already tokenized and validated there). What vLLM's
+                       seed: int | None = None, logprobs: bool = False, detokenize: bool = True) -> list[Sample]:
+        """One request of the HTTP endpoint (already tokenized and validated there). ``detokenize``
+        false: vLLM does not decode text step by step, and the samples' ``response_text`` is empty
+        for the endpoint to decode once (``kuberl.rollout.server.decode_samples``). What vLLM's
         own checks refuse all the same is raised as ``RequestRefused``: vLLM raises its client errors
         (``vllm_client_errors``), and ``SamplingParams`` also ``ValueError`` or ``TypeError``. Its
         other errors (``EngineGenerateError``, ``EngineDeadError``) are the
@@ -238,11 +240,12 @@ class RolloutEngine:
         self._check_prompt(prompt_ids, max_tokens, "prompt")
         try:
             params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                                    stop=stop or None, seed=seed, logprobs=0 if logprobs else None)
+                                    stop=stop or None, seed=seed, logprobs=0 if logprobs else None,
+                                    detokenize=detokenize)
         except (ValueError, TypeError, *vllm_client_errors()) as err:
             raise RequestRefused("sampling parameters", str(err)) from None
         try:
-            return await self._one(prompt_ids, params, 0, token_text=logprobs)
+            return await self._one(prompt_ids, params, 0, token_text=logprobs and detokenize)
         except vllm_client_errors() as err:  # the engine's input checks, e.g. a token id out of vocabulary
             raise RequestRefused("prompt", str(err)) from None
 

@@ -214,6 +214,22 @@ def _finish_reason(sample) -> str:
     return sample.finish_reason or "stop"
 
 
+def decode_samples(tokenizer, samples: list, token_text: bool) -> None:
+    """Each sample's ``response_text`` (and with ``token_text`` its tokens' texts, in
+    ``metadata["tokens"]``) from its token ids, as vLLM's detokenizer gives them: the text with
+    special tokens skipped (``SamplingParams.skip_special_tokens``' default), each token alone by
+    vLLM's own ``convert_ids_list_to_tokens`` (tests/engine/rollout/test_http.py holds both
+    against the engine's own detokenization)."""
+    texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    for sample, text in zip(samples, texts, strict=True):
+        sample.response_text = text
+    if token_text:
+        from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+
+        for sample in samples:
+            sample.metadata["tokens"] = convert_ids_list_to_tokens(tokenizer, sample.response_ids)
+
+
 def api_key(request: Request) -> str | None:
     """The request's API key, as the Anthropic (``x-api-key``) or OpenAI (bearer token) SDKs send it."""
     key = request.headers.get("x-api-key")
@@ -317,12 +333,21 @@ def make_app(pool, tokenizer, episodes: EpisodeLog | None = None) -> Starlette:
                 metadata={"weight_version": sample.weight_version, "finish_reason": sample.finish_reason}),
                 reply)
 
-    async def run(engine, prompt_ids, **params):
+    async def run(engine, prompt_ids, *, token_text: bool = False, **params):
+        """The engine's samples with their text, and with each token's text when ``token_text``
+        (for a response's logprobs objects). Stop strings are found by vLLM's incremental
+        detokenizer, so a request with some is detokenized there; one without is decoded here,
+        once, in a worker thread: decoding every sequence at every step in the engine's process
+        cost it half its generation speed at Qwen2.5-1.5B's shape on an H200."""
+        decode_here = not params.get("stop")
         try:
-            return await engine.complete.remote(prompt_ids, **params)
+            samples = await engine.complete.remote(prompt_ids, detokenize=not decode_here, **params)
         except RequestRefused as err:  # the engine's (and vLLM's) input checks; any other error is a 500
             refused = _cause(err)
             raise APIError(400, str(refused), param=refused.field) from None
+        if decode_here:
+            await anyio.to_thread.run_sync(decode_samples, tokenizer, samples, token_text, limiter=tokenizer_threads)
+        return samples
 
     def openai_response(id_prefix: str, kind: str, choices: list[dict], prompt_ids: list[int], samples) -> dict:
         """The envelope chat and text completions share: ids, usage and the weight version."""
@@ -360,7 +385,7 @@ def make_app(pool, tokenizer, episodes: EpisodeLog | None = None) -> Starlette:
         params = episode_params(key, dict(temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens,
                                           stop=req.stop, seed=req.seed, logprobs=req.logprobs))
         params["max_tokens"] = turn_tokens(prompt_ids, params["max_tokens"], continued, "messages", "max_tokens")
-        samples = await run(engine, prompt_ids, n=req.n, **params)
+        samples = await run(engine, prompt_ids, n=req.n, token_text=bool(req.logprobs), **params)
         record(key, chat, prompt_ids, samples[0], {"role": "assistant", "content": samples[0].response_text})
         choices = []
         for i, s in enumerate(samples):
@@ -390,7 +415,7 @@ def make_app(pool, tokenizer, episodes: EpisodeLog | None = None) -> Starlette:
             check_length(prompt_ids, req.max_tokens, "prompt", "max_tokens")
         samples = await run(engine, prompt_ids, n=req.n, temperature=req.temperature, top_p=req.top_p,
                             max_tokens=req.max_tokens, stop=req.stop, seed=req.seed,
-                            logprobs=req.logprobs is not None)
+                            logprobs=req.logprobs is not None, token_text=req.logprobs is not None)
         choices = []
         for i, s in enumerate(samples):
             logprobs = None
