@@ -76,6 +76,24 @@ def _build(config, options: ModelOptions) -> nn.Module:
     return model
 
 
+# Compiled variants of the decoder layer's forward dynamo may keep. One process compiles one per
+# grad mode (update, recompute / log-prob forwards), per optional input present or None, and per
+# range of packed lengths inductor's kernels guard on: 8 after 4 steps at Qwen2.5-1.5B's shape on
+# an H200 (TORCH_LOGS=recompiles), which is dynamo's default limit.
+LAYER_COMPILE_VARIANTS = 64
+
+
+def allow_layer_variants() -> None:
+    """Room for every variant of a compiled decoder layer, and a limit hit is an error. Past the
+    limit dynamo would run the layer eagerly instead; a checkpointed layer whose forward ran
+    compiled and whose recomputation ran eagerly saves different tensors, and its backward fails
+    with ``CheckpointError: Recomputed values ... have different metadata`` (seen on an H200)."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, LAYER_COMPILE_VARIANTS)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks (the modules named in ``_no_split_modules``)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
@@ -96,10 +114,12 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, options: ModelOptions, *, tr
             layer.gradient_checkpointing = i % options.checkpoint_every == 0
     compile_layers = options.compile_layers if options.compile_layers is not None else mesh.device_type == "cuda"
     if compile_layers:
+        allow_layer_variants()
         # The layer's forward only: FSDP's unshard/reshard hooks and the checkpoint wrapper stay
-        # eager around it; repeated layers share one compiled graph.
+        # eager around it; repeated layers share one compiled graph, with dynamic shapes from the
+        # start (packed micro-batches differ in length every time).
         for layer in layers:
-            layer.forward = torch.compile(layer.forward)
+            layer.forward = torch.compile(layer.forward, dynamic=True)
     mp = MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=torch.float32)
     reshard = options.reshard_after_forward if options.reshard_after_forward is not None else mesh.size() > 1
     for layer in layers:
