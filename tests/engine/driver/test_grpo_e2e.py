@@ -213,11 +213,6 @@ def resumed_run(run_a, s3_root):
     return b_latest, b_killed_at, metric_rows(tmp / "c"), (tmp / "c" / "driver.log").read_text(), engines, engines_after
 
 
-def recovered_at(steps: list[int]) -> int:
-    """The index of the first row run again after the recovery (a step not above the one before)."""
-    return next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
-
-
 def test_killed_driver_resumes_from_s3_bit_identically(run_a, resumed_run):
     _, uninterrupted = run_a
     b_latest, killed_at, rows, log, _, _ = resumed_run
@@ -266,7 +261,7 @@ def test_a_lost_trainer_rank_is_recovered_in_place(run_a, resumed_run, s3_root):
     _, _, rows, log, engines, engines_after = resumed_run
     assert engines_after == engines  # no engine restarted
     steps = [row["step"] for row in rows]
-    back = recovered_at(steps)
+    back = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
     # Lost during step 13 or 14: the steps since the step-10 checkpoint run again, and only those.
     assert steps[:back] == list(range(11, steps[back - 1] + 1)) and 12 <= steps[back - 1] < STEPS
     assert steps[back:] == list(range(11, STEPS + 1))
