@@ -4,9 +4,10 @@ checkpoints going to moto's S3 server on loopback.
 
 Run A goes 20 steps uninterrupted. Run B is SIGKILLed (with its whole process group: Ray, the
 engine, the trainer ranks) after its step-10 checkpoint is on S3; run C resumes from S3 and must
-reproduce A's steps 11-20 bit for bit. Run E loses one trainer rank's process after step 12: the
-driver recovers in place, from the step-10 checkpoint, with the same engine processes, and its
-steps 11-20 after the recovery are A's bit for bit too.
+reproduce A's steps from 11 bit for bit. Run C also loses one trainer rank's process after step
+12: the driver recovers in place, from the step-10 checkpoint, with the same engine processes, and
+its steps 11-20 after the recovery are A's bit for bit too. (One run serves both: a driver start
+costs about 85 s of CI, the steps about 1 s each.) Run D is preempted with SIGTERM.
 
 No filesystem is shared as it would be on one machine: each trainer rank writes its checkpoint
 shards and temp files below its own scratch directory (``<work-dir>/scratch/rank-<r>``, what each
@@ -177,22 +178,54 @@ def test_mean_reward_rises(run_a):
     assert last > 0.08 and last > 3 * first, rewards
 
 
-def test_killed_driver_resumes_from_s3_bit_identically(run_a, s3_root):
-    tmp, uninterrupted = run_a
+@pytest.fixture(scope="module")
+def resumed_run(run_a, s3_root):
+    """Run B, killed after its step-10 checkpoint, and run C, which resumes it from S3 and loses one
+    trainer rank's process (SIGKILL: what a crash or a lost pod is to Ray) after step 12. Returns
+    B's latest checkpoint and last step when killed, C's metric rows in the order written, C's log,
+    and C's engine processes before the loss and after the recovery."""
+    tmp, _ = run_a
     fs, bucket, env = s3_root
     config = write_config(tmp, f"s3://{bucket}/run-b")
     run_until_step_10_is_committed(fs, f"{bucket}/run-b", config, tmp / "b", env)
-    assert fs.cat_file(f"{bucket}/run-b/latest") == b"step-000000010"
-    killed_at = max(metrics(tmp / "b"))
-    assert 10 <= killed_at < STEPS
+    b_latest, b_killed_at = fs.cat_file(f"{bucket}/run-b/latest"), max(metrics(tmp / "b"))
 
     run_c = start_driver(config, tmp / "c", env)  # resume: auto
-    wait(run_c, tmp / "c")
-    resumed = metrics(tmp / "c")
-    assert sorted(resumed) == list(range(11, STEPS + 1))
-    for step in resumed:
-        assert resumed[step] == uninterrupted[step], f"step {step} differs after resuming"
-    assert "resumed from s3://grpo-e2e/run-b/step-000000010" in (tmp / "c" / "driver.log").read_text()
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        # After step 12; the step-10 checkpoint the recovery restores is B's, committed already.
+        while max((row["step"] for row in metric_rows(tmp / "c")), default=0) < 12:
+            assert run_c.poll() is None, f"run C exited {run_c.returncode}:\n{tail(tmp / 'c' / 'driver.log')}"
+            assert time.monotonic() < deadline, "run C made no progress in time"
+            time.sleep(0.05)
+        engines = {p.pid for p in ray_workers(run_c, "RolloutEngine")}
+        ranks = ray_workers(run_c, "TrainerActor")
+        assert engines and len(ranks) == 2
+        ranks[-1].kill()
+        while not any("trainer_recoveries" in row for row in metric_rows(tmp / "c")):
+            assert run_c.poll() is None, f"run C exited {run_c.returncode}:\n{tail(tmp / 'c' / 'driver.log')}"
+            assert time.monotonic() < deadline, "run C did not recover in time"
+            time.sleep(0.05)
+        engines_after = {p.pid for p in ray_workers(run_c, "RolloutEngine")}
+        wait(run_c, tmp / "c")
+    finally:
+        kill_group(run_c)
+    return b_latest, b_killed_at, metric_rows(tmp / "c"), (tmp / "c" / "driver.log").read_text(), engines, engines_after
+
+
+def test_killed_driver_resumes_from_s3_bit_identically(run_a, resumed_run):
+    _, uninterrupted = run_a
+    b_latest, killed_at, rows, log, _, _ = resumed_run
+    assert b_latest == b"step-000000010"
+    assert 10 <= killed_at < STEPS
+    steps = [row["step"] for row in rows]
+    assert sorted(set(steps)) == list(range(11, STEPS + 1))
+    # Every row from the resume on is A's: up to the trainer rank's loss, and after the recovery.
+    for row in rows:
+        mine = {k: v for k, v in row.items() if not wall_clock(k) and k != "trainer_recoveries"}
+        assert mine == uninterrupted[row["step"]], f"step {row['step']} differs after resuming"
+    assert steps[0] == 11  # C started where B's checkpoint ends, not from scratch
+    assert "resumed from s3://grpo-e2e/run-b/step-000000010" in log
 
 
 def test_sigterm_finishes_the_step_checkpoints_and_exits_75(run_a, s3_root):
@@ -219,40 +252,18 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_75(run_a, s3_root):
     assert fs.cat_file(f"{bucket}/run-d/latest") == f"step-{last:09d}".encode()
 
 
-def test_a_lost_trainer_rank_is_recovered_in_place(run_a, s3_root):
-    """One trainer rank's process is SIGKILLed (what a crash or a lost pod is to Ray) after step 12:
-    the run completes in the same driver, restored from the step-10 checkpoint, and the engine
-    processes that served before serve after."""
-    tmp, uninterrupted = run_a
-    fs, bucket, env = s3_root
-    run_e = start_driver(write_config(tmp, f"s3://{bucket}/run-e"), tmp / "e", env)
-    try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        # After step 12, and once the step-10 checkpoint is committed: the one the recovery restores.
-        while (max((row["step"] for row in metric_rows(tmp / "e")), default=0) < 12
-               or not fs.exists(f"{bucket}/run-e/step-000000010/COMPLETE") or not fs.exists(f"{bucket}/run-e/latest")):
-            fs.invalidate_cache()
-            assert run_e.poll() is None, f"run E exited {run_e.returncode}:\n{tail(tmp / 'e' / 'driver.log')}"
-            assert time.monotonic() < deadline, "run E made no progress in time"
-            time.sleep(0.05)
-        engines = {p.pid for p in ray_workers(run_e, "RolloutEngine")}
-        ranks = ray_workers(run_e, "TrainerActor")
-        assert engines and len(ranks) == 2
-        ranks[-1].kill()
-        while not any("trainer_recoveries" in row for row in metric_rows(tmp / "e")):
-            assert run_e.poll() is None, f"run E exited {run_e.returncode}:\n{tail(tmp / 'e' / 'driver.log')}"
-            assert time.monotonic() < deadline, "run E did not recover in time"
-            time.sleep(0.05)
-        assert {p.pid for p in ray_workers(run_e, "RolloutEngine")} == engines  # no engine restarted
-        wait(run_e, tmp / "e")
-    finally:
-        kill_group(run_e)
-
-    rows = metric_rows(tmp / "e")
+def test_a_lost_trainer_rank_is_recovered_in_place(run_a, resumed_run, s3_root):
+    """One trainer rank's process is SIGKILLed after step 12 of the resumed run C: the run completes
+    in the same driver, restored from the step-10 checkpoint, and the engine processes that served
+    before serve after."""
+    _, uninterrupted = run_a
+    fs, bucket, _ = s3_root
+    _, _, rows, log, engines, engines_after = resumed_run
+    assert engines_after == engines  # no engine restarted
     steps = [row["step"] for row in rows]
     back = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
     # Lost during step 13 or 14: the steps since the step-10 checkpoint run again, and only those.
-    assert steps[:back] == list(range(1, steps[back - 1] + 1)) and 12 <= steps[back - 1] < STEPS
+    assert steps[:back] == list(range(11, steps[back - 1] + 1)) and 12 <= steps[back - 1] < STEPS
     assert steps[back:] == list(range(11, STEPS + 1))
     first = rows[back]
     assert first["trainer_recoveries"] == 1.0
@@ -261,9 +272,8 @@ def test_a_lost_trainer_rank_is_recovered_in_place(run_a, s3_root):
     for row in rows[back:]:
         mine = {k: v for k, v in row.items() if not wall_clock(k) and k != "trainer_recoveries"}
         assert mine == uninterrupted[row["step"]], f"step {row['step']} differs after the recovery"
-    log = (tmp / "e" / "driver.log").read_text()
     assert "trainer rank" in log and "lost" in log and "trainer group recovered in" in log
-    assert "resumed from s3://grpo-e2e/run-e/step-000000010" in log
+    assert log.count("resumed from s3://grpo-e2e/run-b/step-000000010") == 2  # the resume, then the recovery
     fs.invalidate_cache()
-    assert fs.cat_file(f"{bucket}/run-e/latest") == b"step-000000020"
-    assert fs.cat_file(f"{bucket}/run-e/epoch") == b"2\n"  # the first group's, then the new one's
+    assert fs.cat_file(f"{bucket}/run-b/latest") == b"step-000000020"
+    assert fs.cat_file(f"{bucket}/run-b/epoch") == b"3\n"  # run B's group, run C's first, then the new one
