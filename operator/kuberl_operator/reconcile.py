@@ -30,8 +30,8 @@ import yaml
 
 from kuberl.job import plan as plans
 from kuberl.api import types as t
-from kuberl.api.contract import CONFIG_FILE, PLAN_FILE, ROLLOUT_GROUP, ray_job_name
-from kuberl.job.render import render, render_config_map
+from kuberl.api.contract import CONFIG_FILE, PLAN_FILE, ROLE_LABEL, ROLLOUT_GROUP, ray_job_name
+from kuberl.job.render import render
 from kuberl_operator import observed as o
 from kuberl_operator.status import (FINISHED_PHASES, SUSPENDED, compute_status, current_workload_error,
                                     finished_status)
@@ -158,7 +158,7 @@ def rollout_scale(job: t.RLTrainingJob, attempt: int, ray_cluster: dict[str, Any
             return None
         # Only this group's pods: KubeRay deletes any pod of the cluster named here, head included.
         names = {p["metadata"]["name"] for p in pods
-                 if (p["metadata"].get("labels") or {}).get("ray.io/group") == ROLLOUT_GROUP}
+                 if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == ROLLOUT_GROUP}
         to_delete = [pod for pod in reported.freed_pods if pod in names][:replicas - wanted]
     at = f"/spec/workerGroupSpecs/{index}"
     patch = [{"op": "test", "path": f"{at}/groupName", "value": ROLLOUT_GROUP},
@@ -230,6 +230,34 @@ def checkpoint_before_suspend(job: t.RLTrainingJob, ray_job: dict[str, Any], now
              else f"end the step in flight (step {progress.step} is its last reported), checkpoint it and hold")
     return (f"suspending: waiting for the driver to {doing} before the Ray cluster is deleted "
             f"(at most {settings.suspend_checkpoint_timeout_seconds:.0f} s)")
+
+
+# status.recoveries' kinds (wire names) -> the Event the operator posts for a new one.
+RECOVERY_EVENTS = {
+    "trainer": ("Warning", "TrainerRecovered", "a trainer rank was lost; a new trainer group restored the newest "
+                "checkpoint in the same Ray cluster"),
+    "engineLost": ("Warning", "EngineLost", "a rollout engine was lost; its requests went to the engines left"),
+    "engineReplaced": ("Normal", "EngineReplaced", "a replacement rollout engine joined with the current weights"),
+    "resize": ("Normal", "Resized", "the rollout pool reached spec.rollout.replicas"),
+}
+
+
+def recovery_events(status: t.RLTrainingJobStatus | None) -> tuple[list[Event], dict[str, int]]:
+    """An Event for each kind of recovery the driver counted (status.recoveries) since the
+    operator last posted one (status.recoveryEvents), and the counts posted after these."""
+    recoveries = status.recoveries.model_dump(by_alias=True, exclude_none=True) if status and status.recoveries else {}
+    posted = dict(status.recovery_events) if status else {}
+    events = []
+    for kind, recovery in recoveries.items():
+        new = recovery.get("count", 0) - posted.get(kind, 0)
+        if new <= 0:
+            continue
+        type_, reason, what = RECOVERY_EVENTS[kind]
+        seconds = recovery.get("lastSeconds")
+        took = f"; the last took {seconds:.1f} s" if seconds is not None else ""
+        events.append(Event(type_, reason, f"{what} ({new} new, {recovery['count']} in all{took})"))
+        posted[kind] = recovery["count"]
+    return events, posted
 
 
 def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, settings: Settings) -> Plan:
@@ -315,8 +343,8 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
     accepted = accepted_spec(job, observed) if ray_job is not None else None
     if accepted is not None and (accepted.get("rollout") or {}).get("replicas") != job.spec.rollout.replicas:
         # The spec in effect takes the new replicas, so that a restart runs with them.
-        plan_apply.append(render_config_map(effective(), attempt=attempt,
-                                            plan=plans.for_cluster(effective(), attempt)))
+        objects = render(effective(), attempt=attempt, plan=plans.for_cluster(effective(), attempt))
+        plan_apply += [obj for obj in objects if obj["kind"] == "ConfigMap"]
     if refused and "SpecChangeRefused" not in {c.type for c in (job.status.conditions if job.status else [])
                                               if c.status == "True"}:
         events.append(Event("Warning", "SpecChangeRefused",
@@ -327,6 +355,10 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
     status = compute_status(job, in_effect or plans.for_cluster(effective(), attempt), ray_job, cluster, pods, now,
                             attempt=status_attempt, refused=refused,
                             restart_in=restart_in, suspend_wait=suspend_wait)
+    recovered, posted = recovery_events(job.status)
+    events += recovered
+    if posted:
+        status["recoveryEvents"] = posted
     plan = Plan(status=status, apply=plan_apply, suspend=suspend, delete_ray_jobs=delete, events=events,
                 requeue_after=requeue, scale_cluster=scale_cluster)
     if status.get("phase") != old_phase:

@@ -207,10 +207,10 @@ def test_rollout_replicas_resize_live_scale_down_deletes_only_the_pods_the_drive
 
     def rollout_pod(name, group="rollout"):
         p = pod(name)
-        p["metadata"]["labels"]["ray.io/group"] = group
+        p["metadata"]["labels"]["kuberl.dev/role"] = group
         return p
 
-    pods = [rollout_pod("tiny-abc-rollout-a"), rollout_pod("tiny-abc-rollout-b"), rollout_pod("tiny-abc-head", "headgroup")]
+    pods = [rollout_pod("tiny-abc-rollout-a"), rollout_pod("tiny-abc-rollout-b"), rollout_pod("tiny-abc-head", "head")]
     obs = observed(ray_job("tiny", deployment="Running"), config_map=config_map_of(running), ray_cluster=cluster,
                    pods=pods)
     up = next_action(job(rollout=rollout(replicas=2)), obs, NOW, SETTINGS)
@@ -236,3 +236,20 @@ def test_rollout_replicas_resize_live_scale_down_deletes_only_the_pods_the_drive
     # Other fields of rollout stay immutable.
     refused = next_action(job(rollout=rollout(replicas=2, maxResponseLength=8)), obs, NOW, SETTINGS)
     assert "spec.rollout" in {c["type"]: c for c in refused.status["conditions"]}["SpecChangeRefused"]["message"]
+
+
+def test_each_new_recovery_the_driver_counted_is_one_event():
+    running = observed(ray_job("tiny", deployment="Running"))
+    counted = {"recoveries": {"trainer": {"count": 2, "lastSeconds": 36.5}, "engineLost": {"count": 1}}}
+    plan = next_action(job(status=counted), running, NOW, SETTINGS)
+    assert {e.reason: e.message for e in plan.events if e.reason in ("TrainerRecovered", "EngineLost")} == {
+        "TrainerRecovered": "a trainer rank was lost; a new trainer group restored the newest checkpoint in the "
+                            "same Ray cluster (2 new, 2 in all; the last took 36.5 s)",
+        "EngineLost": "a rollout engine was lost; its requests went to the engines left (1 new, 1 in all)"}
+    assert plan.status["recoveryEvents"] == {"trainer": 2, "engineLost": 1}
+    # Posted: nothing again; one more trainer recovery: one event.
+    posted = {**counted, "recoveryEvents": plan.status["recoveryEvents"]}
+    assert not [e for e in next_action(job(status=posted), running, NOW, SETTINGS).events if e.reason == "TrainerRecovered"]
+    posted["recoveries"]["trainer"]["count"] = 3
+    again = next_action(job(status=posted), running, NOW, SETTINGS)
+    assert [e.message.split("(")[1] for e in again.events if e.reason == "TrainerRecovered"] == ["1 new, 3 in all; the last took 36.5 s)"]
