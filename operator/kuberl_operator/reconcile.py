@@ -13,9 +13,9 @@ written there again when it changes; restarts render from it too.
 
 A live resize of ``rollout.replicas`` (``rollout_scale``): a scale-up raises the RayCluster's rollout
 group at once (the driver's new engines wait in Ray's queue for the pods); a scale-down waits for the
-driver, which retires engines at a step boundary and names the pods it freed in status.rollout,
-then lowers the group with exactly those pods in ``workersToDelete`` (KubeRay would otherwise delete
-any pod, maybe the one with the only live engine).
+driver, which retires engines at a step boundary and names the pods its live engines run in
+(status.rollout), then lowers the group with other rollout pods in ``workersToDelete`` (KubeRay
+would otherwise delete any pod, maybe the one with the only live engine).
 """
 
 from __future__ import annotations
@@ -144,8 +144,8 @@ def rollout_scale(job: t.RLTrainingJob, attempt: int, ray_cluster: dict[str, Any
     """The JSON patch that brings the running RayCluster's rollout group to spec.rollout.replicas,
     if it is not there: a scale-up at once; a scale-down once this attempt's driver reports
     (status.rollout) that it applied the new replicas, which it does at its next step boundary,
-    naming the pods it freed: those go as ``workersToDelete`` (names that are no pods of this
-    cluster are dropped; should the driver free fewer pods than go, KubeRay picks the rest)."""
+    naming the pods its live engines run in: the group's other pods go, as ``workersToDelete``
+    (in name order; should fewer than that be free of engines, KubeRay picks the rest)."""
     group = rollout_group(ray_cluster)
     wanted = job.spec.rollout.replicas
     if job.spec.rollout.colocate or group is None or group[1] == wanted:
@@ -157,9 +157,9 @@ def rollout_scale(job: t.RLTrainingJob, attempt: int, ray_cluster: dict[str, Any
         if reported is None or reported.attempt != attempt or reported.replicas != wanted:
             return None
         # Only this group's pods: KubeRay deletes any pod of the cluster named here, head included.
-        names = {p["metadata"]["name"] for p in pods
-                 if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == ROLLOUT_GROUP}
-        to_delete = [pod for pod in reported.freed_pods if pod in names][:replicas - wanted]
+        rollout_pods = sorted(p["metadata"]["name"] for p in pods
+                              if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == ROLLOUT_GROUP)
+        to_delete = [pod for pod in rollout_pods if pod not in reported.engine_pods][:replicas - wanted]
     at = f"/spec/workerGroupSpecs/{index}"
     patch = [{"op": "test", "path": f"{at}/groupName", "value": ROLLOUT_GROUP},
              *({"op": "replace", "path": f"{at}/{key}", "value": wanted}
@@ -339,7 +339,7 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
             events.append(Event("Normal", "Resizing",
                                 f"rollout.replicas {group_replicas} -> {job.spec.rollout.replicas}: RayCluster "
                                 f"{cluster_name}'s rollout group scaled"
-                                + (f", deleting the pods the driver freed: {', '.join(freed)}" if freed else "")))
+                                + (f", deleting pods without a live engine: {', '.join(freed)}" if freed else "")))
     accepted = accepted_spec(job, observed) if ray_job is not None else None
     if accepted is not None and (accepted.get("rollout") or {}).get("replicas") != job.spec.rollout.replicas:
         # The spec in effect takes the new replicas, so that a restart runs with them.

@@ -213,10 +213,10 @@ def rollout_pods(cluster, ns) -> list[str]:
                   if not p["metadata"].get("deletionTimestamp"))
 
 
-def test_rollout_replicas_resize_live_and_scale_down_deletes_the_pods_the_driver_freed(k8s_cluster, namespace, operator):
+def test_rollout_replicas_resize_live_and_scale_down_deletes_the_pod_without_a_live_engine(k8s_cluster, namespace, operator):
     """The operator's side of a live resize, with the real KubeRay: up at once; down only once the
-    driver (here its identity, patching status.rollout as the driver does) names the pods it
-    freed, and exactly those go. The attempt stays the same throughout."""
+    driver (here its identity, patching status.rollout as the driver does) names the pods its
+    live engines run in, and the other pod goes. The attempt stays the same throughout."""
     apply(k8s_cluster, example(), "-n", namespace)
     wait_phase(k8s_cluster, namespace, "Running")
     [first] = rollout_pods(k8s_cluster, namespace)
@@ -235,13 +235,13 @@ def test_rollout_replicas_resize_live_and_scale_down_deletes_the_pods_the_driver
     wait_for("the ConfigMap's replicas 1", lambda: yaml.safe_load(get_json(
         k8s_cluster, "configmap", f"{JOB}-config", "-n", namespace)["data"][CONFIG_FILE])["spec"]["rollout"]["replicas"] == 1,
         k8s_cluster)
-    assert rollout_group(k8s_cluster, namespace)["replicas"] == 2, "no pod goes before the driver freed one"
+    assert rollout_group(k8s_cluster, namespace)["replicas"] == 2, "no pod goes before the driver retired an engine"
     # The driver retired the engine on the FIRST pod (KubeRay alone would pick either).
     kubernetes.client.CustomObjectsApi(workload).patch_namespaced_custom_object_status(
         "kuberl.dev", "v1alpha1", namespace, "rltrainingjobs", JOB,
-        {"status": {"rollout": {"attempt": 0, "replicas": 1, "freedPods": [first]},
+        {"status": {"rollout": {"attempt": 0, "replicas": 1, "enginePods": [added]},
                     "recoveries": {"resize": {"count": 2, "lastSeconds": 1.5}}}})
-    wait_for("the freed pod gone", lambda: rollout_pods(k8s_cluster, namespace) == [added], k8s_cluster, timeout=90)
+    wait_for("the pod without an engine gone", lambda: rollout_pods(k8s_cluster, namespace) == [added], k8s_cluster, timeout=90)
     group = rollout_group(k8s_cluster, namespace)
     assert group["replicas"] == 1 and group["scaleStrategy"]["workersToDelete"] == [first]
     status = wait_for("resize Event posted", lambda: (s := job_status(k8s_cluster, namespace)).get(

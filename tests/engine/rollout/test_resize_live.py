@@ -11,6 +11,7 @@ tests/e2e/test_resize_in_pods.py)."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 from kuberl.driver.report import StatusReporter
@@ -28,7 +29,8 @@ class Trainer(standins.Trainer):
 
 class ScriptedReplicas(StatusReporter):
     """spec.rollout.replicas as ``replicas`` says (a kubectl patch between steps); records the
-    driver's reports of the pool (status.rollout) and of each recovery (status.recoveries)."""
+    driver's reports of the pool (status.rollout: replicas, the pods of its live engines) and of
+    each recovery (status.recoveries)."""
 
     def __init__(self):
         super().__init__()
@@ -39,8 +41,8 @@ class ScriptedReplicas(StatusReporter):
     def rollout_replicas(self):
         return self.replicas
 
-    def rollout(self, attempt, replicas, freed_pods):
-        self.pools.append((replicas, freed_pods))
+    def rollout(self, attempt, replicas, engine_pods):
+        self.pools.append((replicas, engine_pods))
 
     def recovered(self, kind, seconds, times=1):
         super().recovered(kind, seconds, times)
@@ -65,7 +67,8 @@ def test_rollout_replicas_1_2_1_while_training_no_step_fails(pool, tmp_path):
         step()
         reporter.replicas = 2
         first = step()  # this boundary starts the second engine; it joins once started
-        assert reporter.pools == [(2, [])] and pool.wanted == 2
+        here = [socket.gethostname()]  # locally every engine runs on this machine
+        assert reporter.pools == [(2, here)] and pool.wanted == 2
         deadline = time.monotonic() + START_TIMEOUT
         while live[-1] < 2:
             assert time.monotonic() < deadline, "the second engine did not join in time"
@@ -77,8 +80,7 @@ def test_rollout_replicas_1_2_1_while_training_no_step_fails(pool, tmp_path):
         reporter.replicas = 1
         retired = step()
         assert retired.metrics["engines_live"] == 1.0 and pool.engines == [original]
-        # Locally every engine runs on this machine: retiring one frees no pod.
-        assert reporter.pools == [(2, []), (1, [])]
+        assert reporter.pools == [(2, here), (1, here)]
         kinds = [kind for kind, _, _ in reporter.recoveries]
         assert kinds == ["resize", "resize"], reporter.recoveries
         assert retired.metrics["rollout_resizes"] == 1.0 and retired.metrics["rollout_resize_seconds"] >= 0

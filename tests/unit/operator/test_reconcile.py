@@ -194,9 +194,10 @@ def test_status_written_by_the_workload_never_steers_the_restart():
         assert run_plan.resume == plans.Resume(newest_under=ROOT)
 
 
-def test_rollout_replicas_resize_live_scale_down_deletes_only_the_pods_the_driver_freed():
+def test_rollout_replicas_resize_live_scale_down_deletes_only_pods_without_a_live_engine():
     """spec.rollout.replicas applies to the running attempt: up at once, down once the driver
-    names the pods it freed (only rollout pods of this cluster; KubeRay deletes any pod named)."""
+    names the pods its live engines run in; other rollout pods go (never the head: KubeRay
+    deletes any pod named)."""
     running = job()
 
     def rollout(**fields):
@@ -226,12 +227,14 @@ def test_rollout_replicas_resize_live_scale_down_deletes_only_the_pods_the_drive
 
     cluster["spec"]["workerGroupSpecs"][1]["replicas"] = 2
     down = job(rollout=rollout(replicas=1))
-    assert next_action(down, obs, NOW, SETTINGS).scale_cluster is None  # the driver has not freed a pod yet
-    stale = {"rollout": {"attempt": 0, "replicas": 2, "freedPods": []}}
+    assert next_action(down, obs, NOW, SETTINGS).scale_cluster is None  # the driver has not retired one yet
+    stale = {"rollout": {"attempt": 0, "replicas": 2, "enginePods": ["tiny-abc-rollout-a", "tiny-abc-rollout-b"]}}
     assert next_action(job(rollout=rollout(replicas=1), status=stale), obs, NOW, SETTINGS).scale_cluster is None
-    freed = {"rollout": {"attempt": 0, "replicas": 1, "freedPods": ["tiny-abc-head", "tiny-abc-rollout-b"]}}
-    _, patch = next_action(job(rollout=rollout(replicas=1), status=freed), obs, NOW, SETTINGS).scale_cluster
-    assert patch[-1]["value"] == {"workersToDelete": ["tiny-abc-rollout-b"]}
+    older = {"rollout": {"attempt": 1, "replicas": 1, "enginePods": []}}  # another attempt's driver
+    assert next_action(job(rollout=rollout(replicas=1), status=older), obs, NOW, SETTINGS).scale_cluster is None
+    retired = {"rollout": {"attempt": 0, "replicas": 1, "enginePods": ["tiny-abc-rollout-b"]}}
+    _, patch = next_action(job(rollout=rollout(replicas=1), status=retired), obs, NOW, SETTINGS).scale_cluster
+    assert patch[-1]["value"] == {"workersToDelete": ["tiny-abc-rollout-a"]}
     assert patch[0] == {"op": "test", "path": "/spec/workerGroupSpecs/1/groupName", "value": "rollout"}
     # Other fields of rollout stay immutable.
     refused = next_action(job(rollout=rollout(replicas=2, maxResponseLength=8)), obs, NOW, SETTINGS)

@@ -718,14 +718,15 @@ class WorkloadError(APIModel):
 
 class RolloutStatus(APIModel):
     """Written by the driver: the rollout pool it runs now. A scale-down of spec.rollout.replicas
-    waits for it: the driver retires engines at a step boundary and names the pods it freed, and
-    the operator has KubeRay delete exactly those (any other would take live engines with it)."""
+    waits for it: the driver retires engines at a step boundary and names the pods its live
+    engines run in, and the operator has KubeRay delete only other rollout pods (KubeRay alone
+    would delete any, maybe the one with the only live engine)."""
 
     attempt: int = Field(ge=0, le=MAX_INT32, description="The attempt (status.restarts) of the driver that wrote this.")
     replicas: int = Field(ge=0, le=1024, description="The spec.rollout.replicas the driver has applied.")
-    freed_pods: list[Annotated[str, StringConstraints(max_length=253)]] = Field(
+    engine_pods: list[Annotated[str, StringConstraints(max_length=253)]] = Field(
         default_factory=list, max_length=1024,
-        description="Rollout pods whose engines the driver retired for the scale-down to replicas.")
+        description="The pods the driver's live engines ran in when it applied replicas.")
 
 
 class Recovery(APIModel):

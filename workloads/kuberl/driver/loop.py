@@ -397,7 +397,8 @@ class Driver:
         """At the step boundary: the pool resized to spec.rollout.replicas as the job has it now
         (the reporter reads it; ``kubectl patch`` changes it while the job runs). Fewer engines
         retire at once, after any rollout still generating (asyncRollout) has finished, and the
-        pods they freed go to status for the operator to delete; more start now and join through
+        pods the engines left run in go to status (the operator deletes only other rollout pods);
+        more start now and join through
         ``replenish`` once KubeRay's new pods give Ray their resources. Colocated engines live on
         the trainer pods: those never resize."""
         replicas = self.reporter.rollout_replicas()
@@ -410,8 +411,8 @@ class Driver:
         if wanted < len(self.engines.engines):
             for rollout in self._rollouts.values():  # no engine retires with a share of a batch out
                 rollout.exception()
-        freed = self.engines.resize(wanted)
-        self.reporter.rollout(self.plan.attempt, replicas, freed)
+        self.engines.resize(wanted)
+        self.reporter.rollout(self.plan.attempt, replicas, self.engines.pods())
         self._resize_started = time.perf_counter()
 
     def _resize_done(self) -> float | None:

@@ -107,11 +107,11 @@ class StatusReporter:
         where nothing can change it."""
         return None
 
-    def rollout(self, attempt: int, replicas: int, freed_pods: list[str]) -> None:
-        """The driver runs spec.rollout.replicas ``replicas`` now; ``freed_pods`` lost their engines
-        to the scale-down (the operator has KubeRay delete exactly those)."""
-        log.info("rollout pool at %d replicas; pods freed: %s", replicas, ", ".join(freed_pods) or "none")
-        self._patch({"rollout": {"attempt": attempt, "replicas": replicas, "freedPods": freed_pods}})
+    def rollout(self, attempt: int, replicas: int, engine_pods: list[str]) -> None:
+        """The driver runs spec.rollout.replicas ``replicas`` now, its live engines in
+        ``engine_pods`` (a scale-down has KubeRay delete other rollout pods only)."""
+        log.info("rollout pool at %d replicas; engines live in %s", replicas, ", ".join(engine_pods) or "no pod")
+        self._patch({"rollout": {"attempt": attempt, "replicas": replicas, "enginePods": engine_pods}})
 
     def recovered(self, kind: str, seconds: float | None, times: int = 1) -> None:
         """``times`` more recoveries of ``kind`` (``kuberl.api.types.Recoveries``' fields), the

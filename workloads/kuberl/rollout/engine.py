@@ -264,7 +264,7 @@ class RolloutEngine:
 
     def pod(self) -> str:
         """The pod (in a KubeRay cluster; else the machine) this engine runs in: its host name, which
-        Kubernetes sets to the pod's name. A scale-down names the pods its retired engines freed."""
+        Kubernetes sets to the pod's name. A scale-down keeps the pods live engines run in."""
         import socket
 
         return socket.gethostname()

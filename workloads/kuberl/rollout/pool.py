@@ -157,19 +157,15 @@ class EnginePool:
         logger.warning("rollout engine %d lost (%s: %s); %d of %d engines live", index, type(cause).__name__,
                        str(cause).splitlines()[0] if str(cause) else "", len(self.engines), self.wanted)
 
-    def resize(self, wanted: int) -> list[str]:
+    def resize(self, wanted: int) -> None:
         """Run ``wanted`` engines: more start at once and join through ``replenish``; fewer retire
-        the newest live ones now (call at a step boundary). Returns the pods (host names) the
-        retired engines leave without an engine: those a scale-down may delete."""
+        the newest live ones now (call at a step boundary)."""
         if wanted < 1:
             raise ValueError(f"rollout engines: at least 1 wanted, got {wanted}")
         self.wanted = wanted
         del self._lost_at[max(0, wanted - len(self.engines)):]  # losses no engine will replace now
         while self._starting and len(self.engines) + len(self._starting) > wanted:
             ray.kill(self._starting.popitem()[1][0])
-        if len(self.engines) <= wanted:
-            return []
-        pods = self._pods(self.engines)  # drops any engine found dead
         retired = self.engines[wanted:]
         with self._lock:
             for engine in retired:
@@ -177,22 +173,11 @@ class EnginePool:
             self.engines = self.engines[:wanted]
         for engine in retired:
             self._stop(engine)
-        kept = {pods[engine] for engine in self.engines}
-        freed = list(dict.fromkeys(pods[engine] for engine in retired if pods[engine] not in kept))
-        logger.info("rollout engines: %d retired, %d live; pods freed: %s", len(retired), len(self.engines),
-                    ", ".join(freed) or "none")
-        return freed
 
-    def _pods(self, engines: list) -> dict:
-        """Each live engine's pod; an engine found dead is dropped (it holds no pod any more)."""
-        refs = [(engine, engine.pod.remote()) for engine in engines]
-        out = {}
-        for engine, ref in refs:
-            try:
-                out[engine] = ray.get(ref)
-            except ray.exceptions.RayActorError as err:
-                self.drop(engine, err)
-        return out
+    def pods(self) -> list[str]:
+        """The pods (host names) the live engines run in: in a KubeRay cluster, the rollout pods a
+        scale-down must keep. Engines found dead are dropped."""
+        return sorted(set(self._each("pod")))
 
     def replenish(self, timeout: float = 0.0) -> int:
         """At a step boundary: start an engine for each one missing from ``wanted`` (not already
