@@ -145,6 +145,8 @@ class Controller:
             elif not self.kube.create(obj):
                 # Already there (the watch had not shown it yet): adopted, not created again.
                 events = [e for e in events if e.reason != "Creating"]
+        if plan.scale_cluster is not None:
+            self.kube.json_patch("RayCluster", ns, *plan.scale_cluster)
         if plan.suspend is not None:
             ray_job, suspend = plan.suspend
             self.kube.merge_patch("RayJob", ns, ray_job, {"spec": {"suspend": suspend}})
@@ -201,8 +203,11 @@ def register(registry: kopf.OperatorRegistry) -> None:
                                                  "status": _plain(status)}}
 
     @kopf.index("ray.io", "v1", "rayclusters", id="ray_clusters_by_job", **owned)
-    def ray_clusters_by_job(namespace, labels, meta, status, **_):
-        return {(namespace, labels[JOB_LABEL]): {"metadata": _slim_meta(meta), "status": {"state": status.get("state")}}}
+    def ray_clusters_by_job(namespace, labels, meta, spec, status, **_):
+        groups = [{"groupName": g.get("groupName"), "replicas": g.get("replicas")}
+                  for g in spec.get("workerGroupSpecs") or []]  # a live resize compares them
+        return {(namespace, labels[JOB_LABEL]): {"metadata": _slim_meta(meta), "spec": {"workerGroupSpecs": groups},
+                                                 "status": {"state": status.get("state")}}}
 
     @kopf.index("v1", "configmaps", id="config_maps_by_job", **owned)
     def config_maps_by_job(namespace, labels, meta, body, **_):

@@ -2,7 +2,8 @@
 
 Server-side apply (field manager ``kuberl-operator``) for the objects the operator owns outright,
 create-and-adopt for RayJobs (a RayJob's spec is fixed at creation), JSON merge patches for the
-RayJob's suspend flag and for the operator's own status fields. Reads come from kopf's watch
+RayJob's suspend flag and for the operator's own status fields, a JSON patch for the size of a
+RayCluster's rollout group (a live resize). Reads come from kopf's watch
 streams, never from here.
 """
 
@@ -26,10 +27,12 @@ _RESOURCES = {
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "RayJob": ("/apis/ray.io/v1", "rayjobs"),
+    "RayCluster": ("/apis/ray.io/v1", "rayclusters"),
     t.KIND: (f"/apis/{t.API_VERSION}", t.PLURAL),
 }
 APPLY = "application/apply-patch+yaml"
 MERGE = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
 
 
 def load_client(kubeconfig: str | None = None, pool_size: int = 16) -> kubernetes.client.ApiClient:
@@ -97,6 +100,11 @@ class Kube:
     def merge_patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any],
                     subresource: str | None = None) -> dict[str, Any]:
         return self._request("PATCH", _path(kind, namespace, name, subresource), patch, MERGE,
+                             [("fieldManager", FIELD_MANAGER)])
+
+    def json_patch(self, kind: str, namespace: str, name: str, patch: list[dict[str, Any]]) -> dict[str, Any]:
+        """An RFC 6902 patch: one element of a list (a RayCluster's worker group) without the rest."""
+        return self._request("PATCH", _path(kind, namespace, name), patch, JSON_PATCH,
                              [("fieldManager", FIELD_MANAGER)])
 
     def delete(self, kind: str, namespace: str, name: str) -> None:

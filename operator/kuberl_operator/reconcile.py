@@ -6,9 +6,16 @@ a crash half-way, converges instead of duplicating. Names are deterministic (``<
 ``status.restarts`` and the newest owned RayJob's ``kuberl.dev/attempt`` annotation, so a stale
 cached status can never make the operator delete the attempt that is running.
 
-Spec changes: ``suspend``, ``backoffLimit`` and ``ttlSecondsAfterFinished`` apply to a running job;
-any other change is refused (reported, not applied). The spec in effect is the one stored in the
-job's ConfigMap when the current attempt was created; restarts render from it too.
+Spec changes: ``suspend``, ``backoffLimit``, ``ttlSecondsAfterFinished`` and ``rollout.replicas``
+apply to a running job; any other change is refused (reported, not applied). The spec in effect is
+the one stored in the job's ConfigMap when the current attempt was created, with ``rollout.replicas``
+written there again when it changes; restarts render from it too.
+
+A live resize of ``rollout.replicas`` (``rollout_scale``): a scale-up raises the RayCluster's rollout
+group at once (the driver's new engines wait in Ray's queue for the pods); a scale-down waits for the
+driver, which retires engines at a step boundary and names the pods its live engines run in
+(status.rollout), then lowers the group with other rollout pods in ``workersToDelete`` (KubeRay
+would otherwise delete any pod, maybe the one with the only live engine).
 """
 
 from __future__ import annotations
@@ -23,14 +30,14 @@ import yaml
 
 from kuberl.job import plan as plans
 from kuberl.api import types as t
-from kuberl.api.contract import CONFIG_FILE, PLAN_FILE, ray_job_name
+from kuberl.api.contract import CONFIG_FILE, PLAN_FILE, ROLE_LABEL, ROLLOUT_GROUP, ray_job_name
 from kuberl.job.render import render
 from kuberl_operator import observed as o
 from kuberl_operator.status import (FINISHED_PHASES, SUSPENDED, compute_status, current_workload_error,
                                     finished_status)
 
-# camelCase spec fields that may change while a job exists.
-MUTABLE_FIELDS = ("suspend", "backoffLimit", "ttlSecondsAfterFinished")
+# camelCase spec fields (dotted paths) that may change while a job exists.
+MUTABLE_FIELDS = ("suspend", "backoffLimit", "ttlSecondsAfterFinished", "rollout.replicas")
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,8 @@ class Plan:
     delete_job: bool = False
     requeue_after: float | None = None
     events: list[Event] = field(default_factory=list)
+    # (RayCluster name, JSON patch) resizing its rollout worker group.
+    scale_cluster: tuple[str, list[dict[str, Any]]] | None = None
 
 
 def current_attempt(job: t.RLTrainingJob, observed: o.Observed) -> int:
@@ -89,14 +98,29 @@ def _spec_dict(job: t.RLTrainingJob) -> dict[str, Any]:
     return job.spec.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
+def _with_mutable(spec: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``spec`` whose MUTABLE_FIELDS are ``source``'s (absent where it has none)."""
+    spec = copy.deepcopy(spec)
+    for path in MUTABLE_FIELDS:
+        *parents, key = path.split(".")
+        src, dst = source, spec
+        for parent in parents:
+            src, dst = (src or {}).get(parent), dst.setdefault(parent, {})
+        if src is not None and key in src:
+            dst[key] = src[key]
+        else:
+            dst.pop(key, None)
+    return spec
+
+
 def refused_changes(job: t.RLTrainingJob, observed: o.Observed) -> list[str]:
-    """Top-level spec fields that differ from the spec in effect and may not change."""
+    """Top-level spec fields that differ from the spec in effect in more than MUTABLE_FIELDS."""
     accepted = accepted_spec(job, observed)
     if accepted is None:
         return []
     given = _spec_dict(job)
-    keys = (set(given) | set(accepted)) - set(MUTABLE_FIELDS)
-    return sorted(k for k in keys if given.get(k) != accepted.get(k))
+    accepted = _with_mutable(accepted, given)
+    return sorted(k for k in set(given) | set(accepted) if given.get(k) != accepted.get(k))
 
 
 def effective_job(job: t.RLTrainingJob, observed: o.Observed) -> t.RLTrainingJob:
@@ -104,14 +128,44 @@ def effective_job(job: t.RLTrainingJob, observed: o.Observed) -> t.RLTrainingJob
     accepted = accepted_spec(job, observed)
     if accepted is None:
         return job
-    spec = copy.deepcopy(accepted)
-    given = _spec_dict(job)
-    for key in MUTABLE_FIELDS:
-        if key in given:
-            spec[key] = given[key]
-        else:
-            spec.pop(key, None)
+    spec = _with_mutable(accepted, _spec_dict(job))
     return job.model_copy(update={"spec": t.RLTrainingJobSpec.model_validate(spec)})
+
+
+def rollout_group(ray_cluster: dict[str, Any] | None) -> tuple[int, int] | None:
+    """(index, replicas) of the rollout worker group in the RayCluster's spec, if it has one."""
+    groups = ((ray_cluster or {}).get("spec") or {}).get("workerGroupSpecs") or []
+    return next(((i, g.get("replicas", 0)) for i, g in enumerate(groups) if g.get("groupName") == ROLLOUT_GROUP),
+                None)
+
+
+def rollout_scale(job: t.RLTrainingJob, attempt: int, ray_cluster: dict[str, Any] | None,
+                  pods: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The JSON patch that brings the running RayCluster's rollout group to spec.rollout.replicas,
+    if it is not there: a scale-up at once; a scale-down once this attempt's driver reports
+    (status.rollout) that it applied the new replicas, which it does at its next step boundary,
+    naming the pods its live engines run in: the group's other pods go, as ``workersToDelete``
+    (in name order; should fewer than that be free of engines, KubeRay picks the rest)."""
+    group = rollout_group(ray_cluster)
+    wanted = job.spec.rollout.replicas
+    if job.spec.rollout.colocate or group is None or group[1] == wanted:
+        return None
+    index, replicas = group
+    to_delete: list[str] = []
+    if wanted < replicas:
+        reported = job.status.rollout if job.status else None
+        if reported is None or reported.attempt != attempt or reported.replicas != wanted:
+            return None
+        # Only this group's pods: KubeRay deletes any pod of the cluster named here, head included.
+        rollout_pods = sorted(p["metadata"]["name"] for p in pods
+                              if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == ROLLOUT_GROUP)
+        to_delete = [pod for pod in rollout_pods if pod not in reported.engine_pods][:replicas - wanted]
+    at = f"/spec/workerGroupSpecs/{index}"
+    patch = [{"op": "test", "path": f"{at}/groupName", "value": ROLLOUT_GROUP},
+             *({"op": "replace", "path": f"{at}/{key}", "value": wanted}
+               for key in ("minReplicas", "maxReplicas", "replicas")),
+             {"op": "add", "path": f"{at}/scaleStrategy", "value": {"workersToDelete": to_delete}}]
+    return patch
 
 
 def desired_objects(job: t.RLTrainingJob, observed: o.Observed, attempt: int | None = None, *,
@@ -176,6 +230,34 @@ def checkpoint_before_suspend(job: t.RLTrainingJob, ray_job: dict[str, Any], now
              else f"end the step in flight (step {progress.step} is its last reported), checkpoint it and hold")
     return (f"suspending: waiting for the driver to {doing} before the Ray cluster is deleted "
             f"(at most {settings.suspend_checkpoint_timeout_seconds:.0f} s)")
+
+
+# status.recoveries' kinds (wire names) -> the Event the operator posts for a new one.
+RECOVERY_EVENTS = {
+    "trainer": ("Warning", "TrainerRecovered", "a trainer rank was lost; a new trainer group restored the newest "
+                "checkpoint in the same Ray cluster"),
+    "engineLost": ("Warning", "EngineLost", "a rollout engine was lost; its requests went to the engines left"),
+    "engineReplaced": ("Normal", "EngineReplaced", "a replacement rollout engine joined with the current weights"),
+    "resize": ("Normal", "Resized", "the rollout pool reached spec.rollout.replicas"),
+}
+
+
+def recovery_events(status: t.RLTrainingJobStatus | None) -> tuple[list[Event], dict[str, int]]:
+    """An Event for each kind of recovery the driver counted (status.recoveries) since the
+    operator last posted one (status.recoveryEvents), and the counts posted after these."""
+    recoveries = status.recoveries.model_dump(by_alias=True, exclude_none=True) if status and status.recoveries else {}
+    posted = dict(status.recovery_events) if status else {}
+    events = []
+    for kind, recovery in recoveries.items():
+        new = recovery.get("count", 0) - posted.get(kind, 0)
+        if new <= 0:
+            continue
+        type_, reason, what = RECOVERY_EVENTS[kind]
+        seconds = recovery.get("lastSeconds")
+        took = f"; the last took {seconds:.1f} s" if seconds is not None else ""
+        events.append(Event(type_, reason, f"{what} ({new} new, {recovery['count']} in all{took})"))
+        posted[kind] = recovery["count"]
+    return events, posted
 
 
 def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, settings: Settings) -> Plan:
@@ -246,6 +328,23 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
             suspend = (name, job.spec.suspend)
             events.append(Event("Normal", "Suspending" if job.spec.suspend else "Resuming",
                                 f"setting spec.suspend={str(job.spec.suspend).lower()} on RayJob {name}"))
+    scale_cluster = None
+    if ray_job is not None and o.deployment_status(ray_job) == o.DEPLOYMENT_RUNNING and not job.spec.suspend:
+        patch = rollout_scale(job, attempt, observed.ray_cluster, observed.pods)
+        if patch is not None:
+            cluster_name = observed.ray_cluster["metadata"]["name"]
+            scale_cluster = (cluster_name, patch)
+            group_replicas = rollout_group(observed.ray_cluster)[1]
+            freed = patch[-1]["value"]["workersToDelete"]
+            events.append(Event("Normal", "Resizing",
+                                f"rollout.replicas {group_replicas} -> {job.spec.rollout.replicas}: RayCluster "
+                                f"{cluster_name}'s rollout group scaled"
+                                + (f", deleting pods without a live engine: {', '.join(freed)}" if freed else "")))
+    accepted = accepted_spec(job, observed) if ray_job is not None else None
+    if accepted is not None and (accepted.get("rollout") or {}).get("replicas") != job.spec.rollout.replicas:
+        # The spec in effect takes the new replicas, so that a restart runs with them.
+        objects = render(effective(), attempt=attempt, plan=plans.for_cluster(effective(), attempt))
+        plan_apply += [obj for obj in objects if obj["kind"] == "ConfigMap"]
     if refused and "SpecChangeRefused" not in {c.type for c in (job.status.conditions if job.status else [])
                                               if c.status == "True"}:
         events.append(Event("Warning", "SpecChangeRefused",
@@ -256,8 +355,12 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
     status = compute_status(job, in_effect or plans.for_cluster(effective(), attempt), ray_job, cluster, pods, now,
                             attempt=status_attempt, refused=refused,
                             restart_in=restart_in, suspend_wait=suspend_wait)
+    recovered, posted = recovery_events(job.status)
+    events += recovered
+    if posted:
+        status["recoveryEvents"] = posted
     plan = Plan(status=status, apply=plan_apply, suspend=suspend, delete_ray_jobs=delete, events=events,
-                requeue_after=requeue)
+                requeue_after=requeue, scale_cluster=scale_cluster)
     if status.get("phase") != old_phase:
         plan.events.append(Event("Warning" if status["phase"] == "Failed" else "Normal", status["phase"],
                                  status.get("message", "")))

@@ -26,7 +26,10 @@ def main(argv: list[str]) -> int:
                 "step": step, "reward_mean": min(1.0, step / 100), "kl": 0.01 * step ** 0.5, "loss": 1.0 / step,
                 "pg_loss": 0.8 / step, "grad_norm": 1.5, "skipped": step % 7 == 0, "tokens_per_second": 2048.0,
                 "mfu": 0.35, "step_seconds": STEP_SECONDS, "weight_sync_seconds": 0.05, "weight_sync_bytes": 1 << 20,
-                "reward_std": 0.1, "generate_seconds": 0.4, "logprobs_seconds": 0.1, "update_seconds": 0.3})
+                "reward_std": 0.1, "generate_seconds": 0.4, "logprobs_seconds": 0.1, "update_seconds": 0.3,
+                # A recovery each step: the recovery panels' rates have data in every window.
+                "engines_lost": 1.0, "engine_replacements": 1.0, "engine_replacement_seconds": 40.0,
+                "rollout_resizes": 1.0, "rollout_resize_seconds": 3.0})
             if step % 10 == 0:
                 metrics.record_checkpoint(seconds=0.4, nbytes=8 << 20)
         else:

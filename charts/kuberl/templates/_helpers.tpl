@@ -41,9 +41,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [ray.io]
   resources: [rayjobs]
   verbs: [get, list, watch, create, patch, delete]
+# A live resize of spec.rollout.replicas patches the rollout group's size (and workersToDelete).
 - apiGroups: [ray.io]
   resources: [rayclusters]
-  verbs: [get, list, watch]
+  verbs: [get, list, watch, patch]
 # Pods are read for init-container (staging) failures and readiness.
 - apiGroups: [""]
   resources: [pods]

@@ -228,3 +228,17 @@ def test_rendered_rayjob_runs_and_deleting_the_job_collects_everything(k8s_clust
         return not left or None
 
     wait_for("garbage collection of everything the RLTrainingJob owned", everything_gone, k8s_cluster, timeout=120)
+
+
+def test_a_colocated_jobs_rollout_replicas_cannot_change_and_a_separate_pools_can(k8s_cluster, kuberl_crd, namespace):
+    """The CEL transition rule on spec.rollout: the API server refuses a colocated job's rollout
+    resize, naming why; a job with its own rollout pods takes it (the operator applies it live)."""
+    for example, name in (("grpo-colocated.yaml", "colocated"), ("grpo-tiny-cpu.yaml", "separate")):
+        manifest = yaml.safe_load((REPO_ROOT / "examples" / example).read_text())
+        manifest["metadata"] = {"name": name}
+        assert _create(k8s_cluster, manifest, namespace).returncode == 0
+    patch = ["patch", "rltj", "-n", namespace, "--type=merge", "-p", '{"spec":{"rollout":{"replicas":3}}}']
+    refused = k8s_cluster.kubectl(*patch[:2], "colocated", *patch[2:], check=False)
+    assert refused.returncode != 0 and "spec.rollout.replicas" in refused.stderr
+    assert "rollout.replicas cannot change on a colocated job" in refused.stderr
+    assert k8s_cluster.kubectl(*patch[:2], "separate", *patch[2:], check=False).returncode == 0

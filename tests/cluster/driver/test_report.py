@@ -80,6 +80,20 @@ def test_workload_identity_patches_its_own_status_only(crd, tmp_path):
     cluster.kubectl("patch", "rltj", "mine", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}')
     assert reporter.suspend_requested() is True
 
+    # It reads spec.rollout.replicas (a live resize), reports its pool, and counts recoveries on
+    # from the count in status (a later attempt's driver starts with none of its own).
+    assert reporter.rollout_replicas() == 1
+    cluster.kubectl("patch", "rltj", "mine", "-n", ns, "--type=merge", "-p", '{"spec":{"rollout":{"replicas":3}}}')
+    assert reporter.rollout_replicas() == 3
+    reporter.rollout(0, 3, ["mine-rollout-a"])
+    reporter.recovered("trainer", 12.5)
+    KubernetesStatusReporter(cluster.server, ns, "mine", token, cluster.ca.pair.cert).recovered("engine_lost", None, 2)
+    KubernetesStatusReporter(cluster.server, ns, "mine", token, cluster.ca.pair.cert).recovered("trainer", 20.0)
+    status = json.loads(cluster.kubectl("get", "rltj", "mine", "-n", ns, "-o", "json").stdout)["status"]
+    assert status["rollout"] == {"attempt": 0, "replicas": 3, "enginePods": ["mine-rollout-a"]}
+    assert (status["recoveries"]["trainer"]["count"], status["recoveries"]["trainer"]["lastSeconds"]) == (2, 20.0)
+    assert status["recoveries"]["engineLost"]["count"] == 2 and "lastSeconds" not in status["recoveries"]["engineLost"]
+
     # The same token cannot touch another job's status, nor the job's spec.
     other = KubernetesStatusReporter(cluster.server, ns, "other", token, cluster.ca.pair.cert)
     with pytest.raises(urllib.error.HTTPError) as info:

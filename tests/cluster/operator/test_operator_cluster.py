@@ -201,3 +201,56 @@ def test_operator_identity_is_exactly_the_charts_rbac(k8s_cluster, namespace, op
     # And it works with only that: the first test's flow, briefly.
     apply(k8s_cluster, example(), "-n", namespace)
     wait_phase(k8s_cluster, namespace, "Running")
+
+
+def rollout_group(cluster, ns) -> dict:
+    [ray_cluster] = owned(cluster, "rayclusters", ns)
+    return next(g for g in ray_cluster["spec"]["workerGroupSpecs"] if g["groupName"] == "rollout")
+
+
+def rollout_pods(cluster, ns) -> list[str]:
+    return sorted(p["metadata"]["name"] for p in get_json(cluster, "pods", "-n", ns, "-l", "ray.io/group=rollout")["items"]
+                  if not p["metadata"].get("deletionTimestamp"))
+
+
+def test_rollout_replicas_resize_live_and_scale_down_deletes_the_pod_without_a_live_engine(k8s_cluster, namespace, operator):
+    """The operator's side of a live resize, with the real KubeRay: up at once; down only once the
+    driver (here its identity, patching status.rollout as the driver does) names the pods its
+    live engines run in, and the other pod goes. The attempt stays the same throughout."""
+    apply(k8s_cluster, example(), "-n", namespace)
+    wait_phase(k8s_cluster, namespace, "Running")
+    [first] = rollout_pods(k8s_cluster, namespace)
+    resize = ["patch", "rltj", JOB, "-n", namespace, "--type=merge", "-p"]
+
+    k8s_cluster.kubectl(*resize, '{"spec":{"rollout":{"replicas":2}}}')
+    wait_for("2 rollout pods", lambda: len(rollout_pods(k8s_cluster, namespace)) == 2, k8s_cluster, timeout=90)
+    assert rollout_group(k8s_cluster, namespace)["replicas"] == 2
+    config = get_json(k8s_cluster, "configmap", f"{JOB}-config", "-n", namespace)
+    assert yaml.safe_load(config["data"][CONFIG_FILE])["spec"]["rollout"]["replicas"] == 2  # a restart runs 2
+    assert plans.read(config["data"][PLAN_FILE]).layout.rollout_pods == 2
+    [added] = set(rollout_pods(k8s_cluster, namespace)) - {first}
+
+    k8s_cluster.kubectl(*resize, '{"spec":{"rollout":{"replicas":1}}}')
+    workload = k8s_cluster.client_for_service_account(namespace, f"{JOB}-workload")
+    wait_for("the ConfigMap's replicas 1", lambda: yaml.safe_load(get_json(
+        k8s_cluster, "configmap", f"{JOB}-config", "-n", namespace)["data"][CONFIG_FILE])["spec"]["rollout"]["replicas"] == 1,
+        k8s_cluster)
+    assert rollout_group(k8s_cluster, namespace)["replicas"] == 2, "no pod goes before the driver retired an engine"
+    # The driver retired the engine on the FIRST pod (KubeRay alone would pick either).
+    kubernetes.client.CustomObjectsApi(workload).patch_namespaced_custom_object_status(
+        "kuberl.dev", "v1alpha1", namespace, "rltrainingjobs", JOB,
+        {"status": {"rollout": {"attempt": 0, "replicas": 1, "enginePods": [added]},
+                    "recoveries": {"resize": {"count": 2, "lastSeconds": 1.5}}}})
+    wait_for("the pod without an engine gone", lambda: rollout_pods(k8s_cluster, namespace) == [added], k8s_cluster, timeout=90)
+    group = rollout_group(k8s_cluster, namespace)
+    assert group["replicas"] == 1 and group["scaleStrategy"]["workersToDelete"] == [first]
+    status = wait_for("resize Event posted", lambda: (s := job_status(k8s_cluster, namespace)).get(
+        "recoveryEvents", {}).get("resize") == 2 and s, k8s_cluster)
+    assert status["phase"] == "Running" and status["restarts"] == 0
+    assert conditions(status)["SpecChangeRefused"]["status"] == "False"
+    events = get_json(k8s_cluster, "events", "-n", namespace, "--field-selector",
+                      f"involvedObject.name={JOB},involvedObject.kind=RLTrainingJob")["items"]
+    resizing = " ".join(e["message"] for e in events if e["reason"] == "Resizing")
+    assert "rollout.replicas 1 -> 2" in resizing and f"2 -> 1: RayCluster" in resizing and first in resizing
+    assert "Resized" in {e["reason"] for e in events}
+    assert [rj["metadata"]["name"] for rj in owned(k8s_cluster, "rayjobs", namespace)] == [JOB]

@@ -27,6 +27,8 @@ DRIVER_STEP = {
     "clip_frac": 0.05, "generate_seconds": 0.75, "update_seconds": 0.25, "checkpoint_wait_seconds": 0.125,
     "engines_lost": 1.0, "engines_replaced": 0.0, "engines_live": 1.0,
     "trainer_recoveries": 1.0, "trainer_recovery_seconds": 14.0,
+    "engine_replacements": 1.0, "engine_replacement_seconds": 40.0, "rollout_resizes": 1.0,
+    "rollout_resize_seconds": 3.0,
 }
 
 
@@ -104,6 +106,11 @@ def test_record_step_exports_the_driver_dict(registry):
     assert value(registry, "kuberl_recoveries_total", kind="engine") == 2  # one engine lost in each step
     assert value(registry, "kuberl_recoveries_total", kind="trainer") == 2  # a new trainer group before each
     assert value(registry, "kuberl_recovery_duration_seconds_sum", kind="trainer") == 28.0
+    assert value(registry, "kuberl_recoveries_total", kind="engine_replaced") == 2
+    assert value(registry, "kuberl_recovery_duration_seconds_sum", kind="engine_replaced") == 80.0
+    assert value(registry, "kuberl_recoveries_total", kind="resize") == 2
+    assert value(registry, "kuberl_recovery_duration_seconds_count", kind="resize") == 2
+    assert value(registry, "kuberl_recovery_duration_seconds_count", kind="engine") is None  # a loss has no duration
 
 
 def test_rollout_checkpoint_and_stage_records(registry):

@@ -61,5 +61,5 @@ def test_dashboards_have_queries_for_every_promised_panel():
     assert {t for d, t in titles if d == "training.json"} >= {
         "Reward", "KL to reference", "Loss", "Gradient norm", "Skipped steps", "Training throughput", "MFU",
         "Rollout throughput", "Weight sync time", "Weight sync bandwidth", "Last checkpoint time",
-        "Last checkpoint size", "Staging bandwidth"}
+        "Last checkpoint size", "Staging bandwidth", "Recoveries", "Recovery time"}
     assert set(template_variables(REPO_ROOT / "charts/kuberl/dashboards/training.json")) == {"namespace", "job"}

@@ -10,7 +10,7 @@ from kuberl.job import plan as plans
 from kuberl.api.contract import ATTEMPT_ANNOTATION, CONFIG_FILE, PLAN_FILE
 from kuberl.job.render import render
 from kuberl_operator.reconcile import Settings, backoff_seconds, current_attempt, desired_objects, next_action
-from tests.unit.operator.factories import NOW, job, observed, ray_job
+from tests.unit.operator.factories import NOW, job, observed, pod, ray_cluster, ray_job
 
 SETTINGS = Settings(restart_backoff_seconds=10, restart_backoff_max_seconds=60)
 CHECKPOINT = {"lastCheckpoint": {"uri": "s3://bucket/ckpt/step-10", "step": 10, "time": "2026-01-01T11:50:00Z"}}
@@ -192,3 +192,67 @@ def test_status_written_by_the_workload_never_steers_the_restart():
         assert "someone-elses-claim" not in rendered and "other-bucket" not in rendered and "not a uri" not in rendered
         run_plan = plans.read(plan.apply[3]["data"][PLAN_FILE])
         assert run_plan.resume == plans.Resume(newest_under=ROOT)
+
+
+def test_rollout_replicas_resize_live_scale_down_deletes_only_pods_without_a_live_engine():
+    """spec.rollout.replicas applies to the running attempt: up at once, down once the driver
+    names the pods its live engines run in; other rollout pods go (never the head: KubeRay
+    deletes any pod named)."""
+    running = job()
+
+    def rollout(**fields):
+        return {**running.spec.rollout.model_dump(mode="json", by_alias=True, exclude_none=True), **fields}
+
+    cluster = {**ray_cluster(), "spec": {"workerGroupSpecs": [{"groupName": "trainer", "replicas": 1},
+                                                             {"groupName": "rollout", "replicas": 1}]}}
+
+    def rollout_pod(name, group="rollout"):
+        p = pod(name)
+        p["metadata"]["labels"]["kuberl.dev/role"] = group
+        return p
+
+    pods = [rollout_pod("tiny-abc-rollout-a"), rollout_pod("tiny-abc-rollout-b"), rollout_pod("tiny-abc-head", "head")]
+    obs = observed(ray_job("tiny", deployment="Running"), config_map=config_map_of(running), ray_cluster=cluster,
+                   pods=pods)
+    up = next_action(job(rollout=rollout(replicas=2)), obs, NOW, SETTINGS)
+    name, patch = up.scale_cluster
+    assert name == "tiny-abc" and {(p["path"], str(p["value"])) for p in patch} >= {
+        ("/spec/workerGroupSpecs/1/replicas", "2"), ("/spec/workerGroupSpecs/1/maxReplicas", "2")}
+    assert not any(c["status"] == "True" for c in up.status["conditions"] if c["type"] == "SpecChangeRefused")
+    # The spec in effect takes the new replicas (a restart runs with them); its plan too.
+    [config] = up.apply
+    assert yaml.safe_load(config["data"][CONFIG_FILE])["spec"]["rollout"]["replicas"] == 2
+    assert plans.read(config["data"][PLAN_FILE]).layout.rollout_pods == 2
+    assert any(e.reason == "Resizing" for e in up.events)
+
+    cluster["spec"]["workerGroupSpecs"][1]["replicas"] = 2
+    down = job(rollout=rollout(replicas=1))
+    assert next_action(down, obs, NOW, SETTINGS).scale_cluster is None  # the driver has not retired one yet
+    stale = {"rollout": {"attempt": 0, "replicas": 2, "enginePods": ["tiny-abc-rollout-a", "tiny-abc-rollout-b"]}}
+    assert next_action(job(rollout=rollout(replicas=1), status=stale), obs, NOW, SETTINGS).scale_cluster is None
+    older = {"rollout": {"attempt": 1, "replicas": 1, "enginePods": []}}  # another attempt's driver
+    assert next_action(job(rollout=rollout(replicas=1), status=older), obs, NOW, SETTINGS).scale_cluster is None
+    retired = {"rollout": {"attempt": 0, "replicas": 1, "enginePods": ["tiny-abc-rollout-b"]}}
+    _, patch = next_action(job(rollout=rollout(replicas=1), status=retired), obs, NOW, SETTINGS).scale_cluster
+    assert patch[-1]["value"] == {"workersToDelete": ["tiny-abc-rollout-a"]}
+    assert patch[0] == {"op": "test", "path": "/spec/workerGroupSpecs/1/groupName", "value": "rollout"}
+    # Other fields of rollout stay immutable.
+    refused = next_action(job(rollout=rollout(replicas=2, maxResponseLength=8)), obs, NOW, SETTINGS)
+    assert "spec.rollout" in {c["type"]: c for c in refused.status["conditions"]}["SpecChangeRefused"]["message"]
+
+
+def test_each_new_recovery_the_driver_counted_is_one_event():
+    running = observed(ray_job("tiny", deployment="Running"))
+    counted = {"recoveries": {"trainer": {"count": 2, "lastSeconds": 36.5}, "engineLost": {"count": 1}}}
+    plan = next_action(job(status=counted), running, NOW, SETTINGS)
+    assert {e.reason: e.message for e in plan.events if e.reason in ("TrainerRecovered", "EngineLost")} == {
+        "TrainerRecovered": "a trainer rank was lost; a new trainer group restored the newest checkpoint in the "
+                            "same Ray cluster (2 new, 2 in all; the last took 36.5 s)",
+        "EngineLost": "a rollout engine was lost; its requests went to the engines left (1 new, 1 in all)"}
+    assert plan.status["recoveryEvents"] == {"trainer": 2, "engineLost": 1}
+    # Posted: nothing again; one more trainer recovery: one event.
+    posted = {**counted, "recoveryEvents": plan.status["recoveryEvents"]}
+    assert not [e for e in next_action(job(status=posted), running, NOW, SETTINGS).events if e.reason == "TrainerRecovered"]
+    posted["recoveries"]["trainer"]["count"] = 3
+    again = next_action(job(status=posted), running, NOW, SETTINGS)
+    assert [e.message.split("(")[1] for e in again.events if e.reason == "TrainerRecovered"] == ["1 new, 3 in all; the last took 36.5 s)"]

@@ -449,9 +449,17 @@ class RolloutSpec(APIModel):
         rule("self.colocate || self.gpusPerReplica == 0 || self.tensorParallelSize < 1 || "
              "self.gpusPerReplica % self.tensorParallelSize == 0",
              "rollout.tensorParallelSize must divide rollout.gpusPerReplica", ".tensorParallelSize"),
+        # A transition rule: the API server evaluates it on updates only (oldSelf), never locally.
+        rule("!self.colocate || !oldSelf.colocate || self.replicas == oldSelf.replicas",
+             "rollout.replicas cannot change on a colocated job: its engines run on the trainer pods "
+             "(trainer.replicas, fixed while the job exists), so the rollout cannot resize alone; revert "
+             "rollout.replicas, or run a job with rollout.colocate: false to resize its rollout pool live",
+             ".replicas"),
     ))
     engine: Literal["vllm"] = Field("vllm", description="Inference engine.")
-    replicas: int = Field(1, ge=1, le=1024, description="Rollout pods (nodes); ignored when colocated.")
+    replicas: int = Field(1, ge=1, le=1024, description="Rollout pods (nodes); ignored when colocated. "
+                          "May change while the job runs (kubectl patch): engines join or leave at a "
+                          "step boundary, without a restart.")
     gpus_per_replica: int = Field(1, ge=0, le=16, description="GPUs per rollout pod; each pod runs "
                                   "gpusPerReplica / tensorParallelSize engines. 0 runs on CPU.")
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="GPUs per engine.")
@@ -708,6 +716,43 @@ class WorkloadError(APIModel):
     time: datetime
 
 
+class RolloutStatus(APIModel):
+    """Written by the driver: the rollout pool it runs now. A scale-down of spec.rollout.replicas
+    waits for it: the driver retires engines at a step boundary and names the pods its live
+    engines run in, and the operator has KubeRay delete only other rollout pods (KubeRay alone
+    would delete any, maybe the one with the only live engine)."""
+
+    attempt: int = Field(ge=0, le=MAX_INT32, description="The attempt (status.restarts) of the driver that wrote this.")
+    replicas: int = Field(ge=0, le=1024, description="The spec.rollout.replicas the driver has applied.")
+    engine_pods: list[Annotated[str, StringConstraints(max_length=253)]] = Field(
+        default_factory=list, max_length=1024,
+        description="The pods the driver's live engines ran in when it applied replicas.")
+
+
+class Recovery(APIModel):
+    count: int = Field(0, ge=0, le=MAX_INT32, description="How many, over every attempt.")
+    last_seconds: float | None = Field(None, ge=0, description="How long the last one took.")
+    last_time: datetime | None = Field(None, description="When the last one ended.")
+
+
+class Recoveries(APIModel):
+    """Failures and changes the job went through without a restart, counted by the driver; the
+    operator posts an Event on the job for each new one."""
+
+    trainer: Recovery | None = Field(None, description="A trainer rank lost; a new trainer group "
+                                     "restored the newest checkpoint (seconds: loss to the group restored).")
+    engine_lost: Recovery | None = Field(None, description="A rollout engine lost; its requests went to the others.")
+    engine_replaced: Recovery | None = Field(None, description="A replacement engine joined with the "
+                                             "current weights (seconds: since the loss it replaces).")
+    resize: Recovery | None = Field(None, description="spec.rollout.replicas applied live (seconds: seen "
+                                    "to the pool at its new size).")
+
+
+# Kinds of Recoveries as the driver reports them and as they appear on the wire.
+RECOVERY_KINDS = {"trainer": "trainer", "engine_lost": "engineLost", "engine_replaced": "engineReplaced",
+                  "resize": "resize"}
+
+
 class RLTrainingJobStatus(APIModel):
     phase: Phase | None = None
     conditions: list[Condition] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
@@ -718,6 +763,10 @@ class RLTrainingJobStatus(APIModel):
     progress: Progress | None = None
     last_checkpoint: CheckpointRef | None = None
     workload_error: WorkloadError | None = None
+    rollout: RolloutStatus | None = None
+    recoveries: Recoveries | None = None
+    # The operator's: how many of each kind of recovery (wire names) it has posted an Event for.
+    recovery_events: dict[str, Annotated[int, Field(ge=0, le=MAX_INT32)]] = Field(default_factory=dict, max_length=8)
     restarts: int = 0
     message: str | None = Field(None, max_length=32768)
     start_time: datetime | None = None

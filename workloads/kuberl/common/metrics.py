@@ -38,6 +38,16 @@ STEP_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 # A recovery: seconds locally (a new trainer group on the same Ray), minutes when a pod is replaced.
 RECOVERY_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200)
 
+# kuberl_recoveries_total's kind -> the step's (count, seconds) keys: a rollout engine lost (the step
+# completed on the engines left), its replacement joined (seconds since the loss), a new trainer
+# group (the first step after it), a live resize of spec.rollout.replicas (seconds to its new size).
+RECOVERY_METRICS = {
+    "engine": ("engines_lost", None),
+    "engine_replaced": ("engine_replacements", "engine_replacement_seconds"),
+    "trainer": ("trainer_recoveries", "trainer_recovery_seconds"),
+    "resize": ("rollout_resizes", "rollout_resize_seconds"),
+}
+
 # record_step keys -> gauge attribute; the values are the latest step's.
 STEP_GAUGES = {
     "step": "step",
@@ -155,11 +165,11 @@ class WorkerMetrics:
         for phase in STEP_PHASES:
             if metrics.get(f"{phase}_seconds") is not None:
                 self.phase_duration.labels(*self.values, phase).observe(float(metrics[f"{phase}_seconds"]))
-        if metrics.get("engines_lost"):  # the step completed on the engines left
-            self.recoveries.labels(*self.values, "engine").inc(float(metrics["engines_lost"]))
-        if metrics.get("trainer_recoveries"):  # the first step of a new trainer group
-            self.recoveries.labels(*self.values, "trainer").inc(float(metrics["trainer_recoveries"]))
-            self.recovery_duration.labels(*self.values, "trainer").observe(float(metrics["trainer_recovery_seconds"]))
+        for kind, (count, seconds) in RECOVERY_METRICS.items():
+            if metrics.get(count):
+                self.recoveries.labels(*self.values, kind).inc(float(metrics[count]))
+                if seconds is not None and metrics.get(seconds) is not None:
+                    self.recovery_duration.labels(*self.values, kind).observe(float(metrics[seconds]))
         if metrics.get("weight_sync_seconds") is not None:
             self._mine(self.sync_duration).observe(float(metrics["weight_sync_seconds"]))
             self._mine(self.sync_bytes).inc(float(metrics.get("weight_sync_bytes") or 0))

@@ -16,7 +16,9 @@ A rollout engine lost mid-step costs no step: the pool regenerates its share on 
 and a replacement joins at a step boundary with the current weights (``_replenish_engines``).
 A trainer rank lost mid-run costs the steps since the newest checkpoint, not the attempt: a new
 trainer group restores that checkpoint and the engines, still up, get its weights
-(``_recover_trainer``).
+(``_recover_trainer``). A change of spec.rollout.replicas (``kubectl patch``) resizes the engine
+pool at the next step boundary (``_resize_engines``); each recovery and resize is counted in
+status.recoveries.
 """
 
 from __future__ import annotations
@@ -211,6 +213,7 @@ class Driver:
         self._checkpoint_stall: float | None = None
         self._trainer_lost_at: int | None = None  # steps completed when a trainer rank was last lost
         self._trainer_recovery: float | None = None  # its recovery's seconds, reported with the next step
+        self._resize_started: float | None = None  # when a resize began that the pool has not reached yet
 
     def _hold_for_suspend(self) -> None:
         """spec.suspend is true: the step is checkpointed; wait (no next step) while the operator
@@ -348,7 +351,9 @@ class Driver:
 
         started = time.perf_counter()
         self._timing.phases = {}
+        self._resize_engines()
         self._replenish_engines()
+        resized = self._resize_done()
         actions = schedule.step_actions(step, self.total_steps, one_step_async=self.spec.algorithm.async_rollout,
                                         held=step in self._rollouts)
         for action in actions:
@@ -378,12 +383,57 @@ class Driver:
                        weight_sync_bytes=getattr(sync, "bytes", 0))
         metrics.update({f"{phase}_seconds": seconds for phase, seconds in self._timing.phases.items()})
         metrics.update(self.engines.take_counts())
+        if resized is not None:
+            metrics.update(rollout_resizes=1.0, rollout_resize_seconds=resized)
+        self._report_recoveries(metrics)
         if self._checkpoint_stall is not None:  # the checkpoint after the step before
             metrics["checkpoint_stall_seconds"], self._checkpoint_stall = self._checkpoint_stall, None
         if self._trainer_recovery is not None:  # the first step of a recovered trainer group
             metrics.update(trainer_recoveries=1.0, trainer_recovery_seconds=self._trainer_recovery)
             self._trainer_recovery = None
         return StepResult(step, metrics["reward_mean"], metrics, rewards.tolist())
+
+    def _resize_engines(self) -> None:
+        """At the step boundary: the pool resized to spec.rollout.replicas as the job has it now
+        (the reporter reads it; ``kubectl patch`` changes it while the job runs). Fewer engines
+        retire at once, after any rollout still generating (asyncRollout) has finished, and the
+        pods the engines left run in go to status (the operator deletes only other rollout pods);
+        more start now and join through
+        ``replenish`` once KubeRay's new pods give Ray their resources. Colocated engines live on
+        the trainer pods: those never resize."""
+        replicas = self.reporter.rollout_replicas()
+        layout = self.plan.layout
+        if replicas is None or layout.colocated or replicas * layout.engines_per_pod == self.engines.wanted:
+            return
+        wanted = replicas * layout.engines_per_pod
+        log.warning("spec.rollout.replicas is now %d: resizing the rollout pool from %d to %d engines",
+                    replicas, self.engines.wanted, wanted)
+        if wanted < len(self.engines.engines):
+            for rollout in self._rollouts.values():  # no engine retires with a share of a batch out
+                rollout.exception()
+        self.engines.resize(wanted)
+        self.reporter.rollout(self.plan.attempt, replicas, self.engines.pods())
+        self._resize_started = time.perf_counter()
+
+    def _resize_done(self) -> float | None:
+        """The seconds the last resize took, once the pool has reached its size (a scale-down at
+        once, a scale-up when the last new engine joined)."""
+        if self._resize_started is None or len(self.engines.engines) < self.engines.wanted:
+            return None
+        seconds, self._resize_started = time.perf_counter() - self._resize_started, None
+        return seconds
+
+    def _report_recoveries(self, metrics: dict[str, float]) -> None:
+        """This step's recoveries to status.recoveries (the operator posts an Event for each)."""
+        if metrics.get("engines_lost"):
+            self.reporter.recovered("engine_lost", None, int(metrics["engines_lost"]))
+        if metrics.get("engine_replacements"):
+            self.reporter.recovered("engine_replaced", metrics["engine_replacement_seconds"],
+                                    int(metrics["engine_replacements"]))
+        if metrics.get("trainer_recoveries"):
+            self.reporter.recovered("trainer", metrics["trainer_recovery_seconds"])
+        if metrics.get("rollout_resizes"):
+            self.reporter.recovered("resize", metrics["rollout_resize_seconds"])
 
     def _replenish_engines(self) -> None:
         """At the step boundary (nothing generating): engines lost earlier are replaced as their

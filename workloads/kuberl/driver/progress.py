@@ -124,6 +124,7 @@ class ConsoleReporter(StatusReporter):
     """A local run's reporter: the base one's log lines (into the log file), and the display."""
 
     def __init__(self, display: Display):
+        super().__init__()
         self.display = display
 
     def progress(self, step: int, total_steps: int, reward: float | None,

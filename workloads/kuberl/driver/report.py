@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from kuberl.api.types import GROUP, PLURAL, VERSION
+from kuberl.api.types import GROUP, PLURAL, RECOVERY_KINDS, VERSION
 from kuberl.api.contract import JOB_NAME_ENV, NAMESPACE_ENV
 
 log = logging.getLogger("kuberl.train")
@@ -53,8 +53,15 @@ def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+# spec.rollout.replicas' bounds (kuberl.api.types.RolloutSpec): a value read outside them is ignored.
+MAX_ROLLOUT_REPLICAS = 1024
+
+
 class StatusReporter:
     """Logs progress; subclasses also send it somewhere."""
+
+    def __init__(self) -> None:
+        self._recoveries: dict[str, int] = {}  # kind -> count, where nothing else keeps it
 
     def progress(self, step: int, total_steps: int, reward: float | None,
                  tokens_per_second: float | None) -> None:
@@ -95,12 +102,36 @@ class StatusReporter:
         """Whether the job's spec.suspend is true: never, outside Kubernetes."""
         return False
 
+    def rollout_replicas(self) -> int | None:
+        """The job's spec.rollout.replicas as it is now (a live resize): None outside Kubernetes,
+        where nothing can change it."""
+        return None
+
+    def rollout(self, attempt: int, replicas: int, engine_pods: list[str]) -> None:
+        """The driver runs spec.rollout.replicas ``replicas`` now, its live engines in
+        ``engine_pods`` (a scale-down has KubeRay delete other rollout pods only)."""
+        log.info("rollout pool at %d replicas; engines live in %s", replicas, ", ".join(engine_pods) or "no pod")
+        self._patch({"rollout": {"attempt": attempt, "replicas": replicas, "enginePods": engine_pods}})
+
+    def recovered(self, kind: str, seconds: float | None, times: int = 1) -> None:
+        """``times`` more recoveries of ``kind`` (``kuberl.api.types.Recoveries``' fields), the
+        last taking ``seconds``: counted in status.recoveries, where the operator posts an Event."""
+        count = self._recoveries[kind] = self._recovery_count(kind) + times
+        log.info("recovery %s #%d%s", kind, count, "" if seconds is None else f" in {seconds:.1f} s")
+        self._patch({"recoveries": {RECOVERY_KINDS[kind]: {
+            "count": count, "lastSeconds": None if seconds is None else round(seconds, 3), "lastTime": _now()}}})
+
+    def _recovery_count(self, kind: str) -> int:
+        """How many of ``kind`` so far."""
+        return self._recoveries.get(kind, 0)
+
     def _patch(self, status: dict[str, Any]) -> None:
         """Nothing to send outside Kubernetes."""
 
 
 class KubernetesStatusReporter(StatusReporter):
     def __init__(self, api_server: str, namespace: str, name: str, token_file: Path, ca_file: Path):
+        super().__init__()
         self.job_url = f"{api_server}/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}"
         self.url = f"{self.job_url}/status"
         self.token_file = token_file
@@ -128,6 +159,29 @@ class KubernetesStatusReporter(StatusReporter):
         except (urllib.error.URLError, OSError, ValueError) as exc:
             log.warning("could not read spec.suspend from %s: %s", self.job_url, exc)
             return False
+
+    def rollout_replicas(self) -> int | None:
+        """spec.rollout.replicas as the API server has it now; None (no change) when it cannot be read."""
+        try:
+            value = ((json.loads(self._request(self.job_url)).get("spec") or {}).get("rollout") or {}).get("replicas", 1)
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            log.warning("could not read spec.rollout.replicas from %s: %s", self.job_url, exc)
+            return None
+        if type(value) is not int or not 1 <= value <= MAX_ROLLOUT_REPLICAS:  # the API server bounds it
+            log.warning("spec.rollout.replicas %r is not a count from 1 to %d; keeping the pool as it is",
+                        value, MAX_ROLLOUT_REPLICAS)
+            return None
+        return value
+
+    def _recovery_count(self, kind: str) -> int:
+        """The count in status (an earlier attempt's driver counted there too), else this one's."""
+        try:
+            status = json.loads(self._request(self.job_url)).get("status") or {}
+            count = ((status.get("recoveries") or {}).get(RECOVERY_KINDS[kind]) or {}).get("count", 0)
+            return max(int(count), super()._recovery_count(kind))
+        except (urllib.error.URLError, OSError, ValueError, TypeError) as exc:
+            log.warning("could not read status.recoveries from %s: %s", self.job_url, exc)
+            return super()._recovery_count(kind)
 
     def _patch(self, status: dict[str, Any]) -> None:
         try:

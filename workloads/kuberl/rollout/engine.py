@@ -265,6 +265,13 @@ class RolloutEngine:
 
         return list(await asyncio.gather(*(one(seq) for seq in sequences)))
 
+    def pod(self) -> str:
+        """The pod (in a KubeRay cluster; else the machine) this engine runs in: its host name, which
+        Kubernetes sets to the pod's name. A scale-down keeps the pods live engines run in."""
+        import socket
+
+        return socket.gethostname()
+
     def vocab_size(self) -> int:
         """The model's vocabulary: token ids from 0 below it (the HTTP endpoint checks prompts given
         as ids against it, as vLLM does)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import ray
 
@@ -117,6 +118,8 @@ class EnginePool:
         self._slots: dict[object, int] = {}  # live engine -> its engine index (seed, placement)
         self._starting: dict[object, tuple[object, int]] = {}  # ready ref -> (engine, index)
         self.lost = self.replaced = 0  # since the last take_counts()
+        self._lost_at: list[float] = []  # when each loss not yet replaced happened (monotonic)
+        self.replacement_seconds: list[float] = []  # loss -> replacement joined, since the last take_counts()
         self.engines = [self._start(i) for i in range(count)]
         self._slots = dict(zip(self.engines, range(count)))
         # Surface start-up failures (bad model path, vLLM errors) here, not at the first request.
@@ -150,6 +153,7 @@ class EnginePool:
             index = self._slots.pop(engine)
             self.engines = [e for e in self.engines if e is not engine]
             self.lost += 1
+            self._lost_at.append(time.monotonic())
         logger.warning("rollout engine %d lost (%s: %s); %d of %d engines live", index, type(cause).__name__,
                        str(cause).splitlines()[0] if str(cause) else "", len(self.engines), self.wanted)
 
@@ -159,14 +163,21 @@ class EnginePool:
         if wanted < 1:
             raise ValueError(f"rollout engines: at least 1 wanted, got {wanted}")
         self.wanted = wanted
+        del self._lost_at[max(0, wanted - len(self.engines)):]  # losses no engine will replace now
         while self._starting and len(self.engines) + len(self._starting) > wanted:
             ray.kill(self._starting.popitem()[1][0])
-        while len(self.engines) > wanted:
-            engine = self.engines[-1]
-            with self._lock:
+        retired = self.engines[wanted:]
+        with self._lock:
+            for engine in retired:
                 del self._slots[engine]
-                self.engines = self.engines[:-1]
+            self.engines = self.engines[:wanted]
+        for engine in retired:
             self._stop(engine)
+
+    def pods(self) -> list[str]:
+        """The pods (host names) the live engines run in: in a KubeRay cluster, the rollout pods a
+        scale-down must keep. Engines found dead are dropped."""
+        return sorted(set(self._each("pod")))
 
     def replenish(self, timeout: float = 0.0) -> int:
         """At a step boundary: start an engine for each one missing from ``wanted`` (not already
@@ -198,15 +209,23 @@ class EnginePool:
                 self._slots[engine] = index
                 self.engines = [*self.engines, engine]
             self.replaced += 1
+            if self._lost_at:  # a replacement, not an engine a resize added
+                self.replacement_seconds.append(time.monotonic() - self._lost_at.pop(0))
             joined += 1
             logger.info("rollout engine %d joined; %d of %d engines live", index, len(self.engines), self.wanted)
         return joined
 
     def take_counts(self) -> dict[str, float]:
-        """This step's ``engines_lost``, ``engines_replaced`` (reset) and ``engines_live``."""
+        """This step's ``engines_lost``, ``engines_replaced`` (every engine that joined), and of
+        those the ``engine_replacements`` of lost engines with the longest
+        ``engine_replacement_seconds`` (loss to joined), reset; and ``engines_live``."""
         counts = {"engines_lost": float(self.lost), "engines_replaced": float(self.replaced),
                   "engines_live": float(len(self.engines))}
+        if self.replacement_seconds:
+            counts.update(engine_replacements=float(len(self.replacement_seconds)),
+                          engine_replacement_seconds=max(self.replacement_seconds))
         self.lost = self.replaced = 0
+        self.replacement_seconds = []
         return counts
 
     def _each(self, method: str) -> list:
