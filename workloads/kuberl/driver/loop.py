@@ -163,7 +163,7 @@ class Driver:
                  tokenizer: Any, data_path: str, checkpoints: CheckpointManager, reporter: StatusReporter,
                  preemption: Preemption | None = None, metrics_file: Path | None = None,
                  validation_path: str | None = None, trackers: Trackers | None = None,
-                 exporter: Callable[[int], Any] | None = None):
+                 exporter: Callable[[int], Any] | None = None, notices: Any = None):
         self.job = job
         self.spec = job.spec
         self.plan = plan
@@ -174,6 +174,7 @@ class Driver:
         self.checkpoints = checkpoints
         self.reporter = reporter
         self.preemption = preemption or Preemption()
+        self.notices = notices  # kuberl.driver.notices.Notices: pods of the job that are going
         algo = self.spec.algorithm
         self.algorithm = registry.get(algo.name)
         prompts = self._fitting(load_for_spec(data_path, self.spec), "spec.data")
@@ -492,7 +493,12 @@ class Driver:
         if self.exporter is not None and interval and self.step % interval == 0 and self.step < total:
             self.exporter(self.step)
         suspend = self.step < total and self.reporter.suspend_requested()
-        if self.checkpoints.enabled and (self.checkpoints.due(self.step) or self.preemption.requested or suspend):
+        going = self.notices.take(self.step) if self.notices is not None else []
+        if going:  # their preStop hooks hold them until this checkpoint is committed
+            log.warning("preemption notice from %s: checkpointing step %d, the step in flight at the notice",
+                        ", ".join(going), self.step)
+        if self.checkpoints.enabled and (self.checkpoints.due(self.step) or self.preemption.requested or suspend
+                                         or going):
             self.save()
         if self.preemption.requested:
             return EXIT_PREEMPTED
