@@ -16,7 +16,9 @@ A rollout engine lost mid-step costs no step: the pool regenerates its share on 
 and a replacement joins at a step boundary with the current weights (``_replenish_engines``).
 A trainer rank lost mid-run costs the steps since the newest checkpoint, not the attempt: a new
 trainer group restores that checkpoint and the engines, still up, get its weights
-(``_recover_trainer``).
+(``_recover_trainer``). A head or trainer pod that is going with its grace period gives notice
+first (``kuberl.driver.notices``): the step in flight is checkpointed at its boundary, so the
+recovery loses no step.
 """
 
 from __future__ import annotations
@@ -221,6 +223,8 @@ class Driver:
         log.info("suspend requested after step %d: %s; waiting for the Ray cluster to go", self.step,
                  "checkpointed" if self.checkpoints.enabled else "no checkpoint.uri, so nothing saved")
         self.reporter.held_for_suspend(True)
+        if self.notices is not None:  # the cluster's pods go with nothing in flight to wait for
+            self.notices.take(self.step, in_flight=False)
         while self.reporter.suspend_requested():
             time.sleep(SUSPEND_POLL_SECONDS)
         self.reporter.held_for_suspend(False)

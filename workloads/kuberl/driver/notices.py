@@ -31,22 +31,25 @@ class NoticeBoard:
         self._checkpoints = checkpoints
         self._noticed: list[str] = []
         self._step = 0  # steps completed at the last boundary
+        self._in_flight = True  # a step runs after it (not when the driver holds for a suspend)
         self._committed = -1  # the newest committed checkpoint's step
 
     def notice(self, pod: str) -> int | None:
-        """Pod ``pod`` is going: the step its hook waits to see committed (the step in flight),
-        or None when the job has no checkpoint.uri (nothing to wait for)."""
+        """Pod ``pod`` is going: the step its hook waits to see committed (the step in flight, or
+        the last one while the driver holds for a suspend, already checkpointed), or None when
+        the job has no checkpoint.uri (nothing to wait for)."""
         if not self._checkpoints:
             return None
         self._noticed.append(pod)
-        return self._step + 1
+        return self._step + self._in_flight
 
     def committed_step(self) -> int:
         return self._committed
 
-    def boundary(self, step: int) -> list[str]:
-        """The driver is at the boundary after ``step``: the pods noticed since the last one."""
-        self._step = step
+    def boundary(self, step: int, in_flight: bool) -> list[str]:
+        """The driver is at the boundary after ``step``, and runs the next step (``in_flight``) or
+        holds for a suspend: the pods noticed since the last boundary."""
+        self._step, self._in_flight = step, in_flight
         noticed, self._noticed = self._noticed, []
         return noticed
 
@@ -62,9 +65,11 @@ class Notices:
         self._board = NoticeBoard.options(name=NOTICE_ACTOR, namespace=RAY_NAMESPACE,
                                           scheduling_strategy=here).remote(checkpoints)
 
-    def take(self, step: int) -> list[str]:
-        """At the boundary after ``step``: the pods that gave notice since the last boundary."""
-        return ray.get(self._board.boundary.remote(step))
+    def take(self, step: int, in_flight: bool = True) -> list[str]:
+        """At the boundary after ``step``: the pods that gave notice since the last boundary.
+        ``in_flight`` False: the driver holds for a suspend with step ``step`` checkpointed, so a
+        pod going now (KubeRay deleting the cluster) has nothing to wait for."""
+        return ray.get(self._board.boundary.remote(step, in_flight))
 
     def committed(self, step: int) -> None:
         """Checkpoint ``step`` is committed: the hooks waiting for it let their pods go."""
