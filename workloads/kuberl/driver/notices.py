@@ -69,8 +69,19 @@ class Notices:
         """At the boundary after ``step``: the pods that gave notice since the last boundary.
         ``in_flight`` False: the driver holds for a suspend with step ``step`` checkpointed, so a
         pod going now (KubeRay deleting the cluster) has nothing to wait for."""
-        return ray.get(self._board.boundary.remote(step, in_flight))
+        if self._board is None:
+            return []
+        try:
+            return ray.get(self._board.boundary.remote(step, in_flight))
+        except ray.exceptions.RayActorError as lost:
+            # A helper, not the run: training goes on; a going pod's hook then finds no board
+            # and lets its pod go at once (the recovery restores the newest checkpoint).
+            log.warning("the preemption notice board is lost (%s): pods that go from now on are not "
+                        "checkpointed first", str(lost).splitlines()[0] if str(lost) else type(lost).__name__)
+            self._board = None
+            return []
 
     def committed(self, step: int) -> None:
         """Checkpoint ``step`` is committed: the hooks waiting for it let their pods go."""
-        self._board.committed.remote(step)
+        if self._board is not None:
+            self._board.committed.remote(step)
