@@ -17,8 +17,10 @@ starts from a fresh work dir, so nothing local of run B can be read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +36,7 @@ pytest.importorskip("ray")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 STEPS = 20
+NOTICE_RUN_STEPS = 60
 RUN_TIMEOUT_S = 600
 
 
@@ -277,3 +280,69 @@ def test_a_lost_trainer_rank_is_recovered_in_place(run_a, resumed_run, s3_root):
     fs.invalidate_cache()
     assert fs.cat_file(f"{bucket}/run-b/latest") == b"step-000000020"
     assert fs.cat_file(f"{bucket}/run-b/epoch") == b"3\n"  # run B's group, run C's first, then the new one
+
+
+def gcs_address(proc: subprocess.Popen) -> str:
+    """The address of the local Ray the driver ``proc`` started (its own, never another test's),
+    as its raylet was given it: what `ray.init(address="auto")` finds inside a pod."""
+    import psutil
+
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if found := re.search(r"--gcs[-_]address=(\S+)", " ".join(child.cmdline())):
+                return found.group(1)
+    raise AssertionError("the driver's Ray has no raylet yet")
+
+
+def test_a_trainer_pods_preemption_notice_checkpoints_the_step_in_flight(run_a, s3_root):
+    """A trainer pod is deleted: its preStop hook (`kuberl preemption-notice`, here run beside the
+    driver against its Ray) tells the driver, which checkpoints the step in flight at the next
+    boundary (no other checkpoint is due); the hook returns once that checkpoint is committed, and
+    the rank then goes (SIGKILLed here). The recovery restores that step: no step is lost, and the
+    steps after it are run A's bit for bit. Run F goes on past A's 20 steps: joining Ray from a
+    new process takes the hook longer than a few of these steps."""
+    tmp, uninterrupted = run_a
+    fs, bucket, env = s3_root
+    config = write_config(tmp, f"s3://{bucket}/run-f")
+    manifest = yaml.safe_load(config.read_text())
+    manifest["spec"]["algorithm"]["totalSteps"] = NOTICE_RUN_STEPS
+    manifest["spec"]["checkpoint"]["intervalSteps"] = 10 * NOTICE_RUN_STEPS  # only the notice's checkpoint
+    config.write_text(yaml.safe_dump(manifest))
+    run_f = start_driver(config, tmp / "f", env)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while max((row["step"] for row in metric_rows(tmp / "f")), default=0) < 2:
+            assert run_f.poll() is None, f"run F exited {run_f.returncode}:\n{tail(tmp / 'f' / 'driver.log')}"
+            assert time.monotonic() < deadline, "run F made no progress in time"
+            time.sleep(0.05)
+        done = max(row["step"] for row in metric_rows(tmp / "f"))
+        # A local ray.init's cluster has token auth (the token in ~/.ray/auth_token), which a
+        # client given an explicit address does not turn on by itself ("auto", in a pod, does).
+        hook_env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_AUTH_MODE": "token"}
+        hook = subprocess.run([sys.executable, "-m", "kuberl.cli", "preemption-notice", "--wait-seconds", "120",
+                               "--address", gcs_address(run_f)],
+                              env=hook_env, capture_output=True, text=True, timeout=180)
+        assert hook.returncode == 0 and "is committed" in hook.stdout, (hook.stdout, hook.stderr[-2000:])
+        step = int(re.search(r"checkpoint step (\d+)", hook.stdout).group(1))
+        # At or after the step in flight when the hook started, committed before it returned.
+        assert done + 1 <= step < NOTICE_RUN_STEPS, hook.stdout
+        fs.invalidate_cache()
+        assert fs.exists(f"{bucket}/run-f/step-{step:09d}/COMPLETE")
+        ray_workers(run_f, "TrainerActor")[-1].kill()  # the pod goes once its hook has returned
+        wait(run_f, tmp / "f")
+    finally:
+        kill_group(run_f)
+
+    log = (tmp / "f" / "driver.log").read_text()
+    assert f"checkpointing step {step}, the step in flight at the notice" in log
+    assert f"restored step {step}," in log, tail(tmp / "f" / "driver.log")
+    rows = metric_rows(tmp / "f")
+    steps = [row["step"] for row in rows]
+    back = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    assert steps[back:] == list(range(step + 1, NOTICE_RUN_STEPS + 1)), steps  # only the step torn by the loss runs again
+    for row in rows[back:]:
+        if row["step"] > STEPS:
+            break
+        assert {k: v for k, v in row.items() if not wall_clock(k) and not k.startswith("trainer_recover")} == \
+            uninterrupted[row["step"]], f"step {row['step']} differs after the recovery"
+    print(f"notice -> checkpoint step {step} committed; {hook.stdout.strip()}")

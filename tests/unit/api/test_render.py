@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from kuberl.api.validate import validate_manifest
+from kuberl.cli import SUBCOMMANDS
 from kuberl.cli import main as kuberl_main
 from kuberl.job import plan as plans
 from kuberl.job.render import render, render_manifest
@@ -198,6 +199,26 @@ def test_gpu_requests_groups_and_guaranteed_qos_for_numa():
         res = container["resources"]
         assert res["limits"]["nvidia.com/gpu"] == 8
         assert res["requests"] == res["limits"], "Guaranteed QoS needs requests == limits"
+
+
+def test_head_and_trainer_pods_get_the_preemption_notice_hook_within_their_grace_period():
+    """A deletion, drain or spot notice runs `kuberl preemption-notice` on the head and trainer pods
+    (the driver checkpoints the step in flight), held at most the grace period less Ray's stop;
+    rollout pods have none (a lost engine costs no step)."""
+    manifest = yaml.safe_load((REPO / "examples" / "grpo-tiny-cpu.yaml").read_text())
+    manifest["spec"].setdefault("scheduling", {})["terminationGracePeriodSeconds"] = 300
+    pods = _pods(_by_kind(render_manifest(manifest))["RayJob"])
+    for role in ("head", "trainer"):
+        (container,) = pods[role]["containers"]
+        assert pods[role]["terminationGracePeriodSeconds"] == 300
+        command = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert command == ["kuberl", "preemption-notice", "--wait-seconds", "295"]
+        assert command[1] in SUBCOMMANDS  # a command the image's kuberl knows
+    (rollout,) = pods["rollout"]["containers"]
+    assert "lifecycle" not in rollout and "terminationGracePeriodSeconds" not in pods["rollout"]
+    default = _pods(_by_kind(render_manifest(yaml.safe_load((REPO / "examples" / "grpo-tiny-cpu.yaml").read_text())))
+                    ["RayJob"])
+    assert default["trainer"]["terminationGracePeriodSeconds"] == 120
 
 
 def test_colocated_job_has_no_rollout_group():

@@ -67,6 +67,17 @@ ROLLOUT_GROUP = "rollout"
 TRAINER_RESOURCE = "kuberl_trainer"
 ROLLOUT_RESOURCE = "kuberl_rollout"
 
+# --- the preemption notice (kuberl.driver.notices, kuberl.cli.notice) ----------------------------
+
+# The driver's notice board: a named Ray actor on the head that a going pod's preStop hook finds
+# by this name and namespace, and that the driver reads at every step boundary.
+NOTICE_ACTOR = "kuberl-preemption-notices"
+RAY_NAMESPACE = "kuberl"
+# The preStop hook of the head and trainer pods: `kuberl preemption-notice --wait-seconds N`.
+NOTICE_COMMAND = ["kuberl", "preemption-notice"]
+# Of a pod's grace period, what the hook leaves for Ray's own stop after SIGTERM.
+NOTICE_STOP_MARGIN_SECONDS = 5
+
 # --- config and in-pod paths ----------------------------------------------------------------
 
 # The job's ConfigMap, mounted read-only in every Ray container and init container.

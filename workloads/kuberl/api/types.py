@@ -599,6 +599,11 @@ class SchedulingSpec(APIModel):
     priority_class_name: str | None = Field(None, max_length=253, description="PriorityClass for every pod.")
     queue_name: str | None = Field(None, max_length=MAX_LABEL_VALUE,
                                    description="Kueue LocalQueue; sets kueue.x-k8s.io/queue-name on the RayJob.")
+    termination_grace_period_seconds: int = Field(
+        120, ge=10, le=3600,
+        description="The grace period of the head and trainer pods: on a deletion, drain or spot notice their "
+                    "preStop hook has the driver checkpoint the step in flight and waits (up to this, less 5 s) "
+                    "for the commit. Set it above one step's seconds plus a checkpoint's (docs/operations.md).")
 
 
 class RLTrainingJobSpec(APIModel):

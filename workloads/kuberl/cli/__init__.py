@@ -13,12 +13,13 @@ SUBCOMMANDS = {
     "stage": ("kuberl.cli.stage:main", "copy a model, data set or checkpoint to a local directory"),
     "train": ("kuberl.driver.__main__:main", "run training (the Ray driver)"),
     "check-data": ("kuberl.cli.check_data:main", "check a staged data file against the job's spec.data"),
+    "preemption-notice": ("kuberl.cli.notice:main", "a pod's preStop hook: have the driver checkpoint, then go"),
 }
 
 
 def usage() -> str:
     lines = ["usage: kuberl <command> [args]", "", "commands:"]
-    lines += [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += [f"  {name:<18} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
 

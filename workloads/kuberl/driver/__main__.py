@@ -80,6 +80,7 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     from kuberl.common.metrics import start_pod_exporter
     from kuberl.driver.checkpoints import CheckpointManager
     from kuberl.driver.loop import Driver, Preemption
+    from kuberl.driver.notices import Notices
     from kuberl.driver.preflight import check_user_code
     from kuberl.driver.report import reporter_from_env, user_errors_reported
     from kuberl.driver.tracking import make_trackers
@@ -122,7 +123,14 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
         stack.callback(engines.shutdown)
         weight_sync = make_weight_sync(spec, trainer, engines)
         weight_sync.setup()
-        checkpoints = CheckpointManager(plan.checkpoints, plan.resume, trainer, on_committed=reporter.checkpoint,
+        # A going pod's preStop hook (kuberl.cli.notice) waits on this board for a commit.
+        notices = Notices(checkpoints=plan.checkpoints.root is not None)
+
+        def committed(uri: str, step: int) -> None:
+            reporter.checkpoint(uri, step)
+            notices.committed(step)
+
+        checkpoints = CheckpointManager(plan.checkpoints, plan.resume, trainer, on_committed=committed,
                                         on_restored=reporter.resumed)
         trackers = make_trackers(spec.tracking, run_name=job.metadata.name,
                                  run_id=job.metadata.uid or job.metadata.name,
@@ -131,7 +139,8 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
         driver = Driver(job, plan, trainer=trainer, engines=engines, weight_sync=weight_sync, tokenizer=tokenizer,
                             data_path=data_path, checkpoints=checkpoints, reporter=reporter, preemption=preemption,
                             metrics_file=metrics_file, validation_path=validation_path, trackers=trackers,
-                            exporter=lambda step: trainer.export_hugging_face(plan.checkpoints.export_uri_at(step)))
+                            exporter=lambda step: trainer.export_hugging_face(plan.checkpoints.export_uri_at(step)),
+                            notices=notices)
         driver.restore()
         if display is not None:
             display.start(driver.step, driver.total_steps,

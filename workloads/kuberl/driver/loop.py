@@ -18,7 +18,9 @@ A trainer rank lost mid-run costs the steps since the newest checkpoint, not the
 trainer group restores that checkpoint and the engines, still up, get its weights
 (``_recover_trainer``). A change of spec.rollout.replicas (``kubectl patch``) resizes the engine
 pool at the next step boundary (``_resize_engines``); each recovery and resize is counted in
-status.recoveries.
+status.recoveries. A head or trainer pod that is going with its grace period gives notice first
+(``kuberl.driver.notices``): the step in flight is checkpointed at its boundary, so the recovery
+loses no step.
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ class Driver:
                  tokenizer: Any, data_path: str, checkpoints: CheckpointManager, reporter: StatusReporter,
                  preemption: Preemption | None = None, metrics_file: Path | None = None,
                  validation_path: str | None = None, trackers: Trackers | None = None,
-                 exporter: Callable[[int], Any] | None = None):
+                 exporter: Callable[[int], Any] | None = None, notices: Any = None):
         self.job = job
         self.spec = job.spec
         self.plan = plan
@@ -176,6 +178,7 @@ class Driver:
         self.checkpoints = checkpoints
         self.reporter = reporter
         self.preemption = preemption or Preemption()
+        self.notices = notices  # kuberl.driver.notices.Notices: pods of the job that are going
         algo = self.spec.algorithm
         self.algorithm = registry.get(algo.name)
         prompts = self._fitting(load_for_spec(data_path, self.spec), "spec.data")
@@ -223,6 +226,8 @@ class Driver:
         log.info("suspend requested after step %d: %s; waiting for the Ray cluster to go", self.step,
                  "checkpointed" if self.checkpoints.enabled else "no checkpoint.uri, so nothing saved")
         self.reporter.held_for_suspend(True)
+        if self.notices is not None:  # the cluster's pods go with nothing in flight to wait for
+            self.notices.take(self.step, in_flight=False)
         while self.reporter.suspend_requested():
             time.sleep(SUSPEND_POLL_SECONDS)
         self.reporter.held_for_suspend(False)
@@ -542,7 +547,12 @@ class Driver:
         if self.exporter is not None and interval and self.step % interval == 0 and self.step < total:
             self.exporter(self.step)
         suspend = self.step < total and self.reporter.suspend_requested()
-        if self.checkpoints.enabled and (self.checkpoints.due(self.step) or self.preemption.requested or suspend):
+        going = self.notices.take(self.step) if self.notices is not None else []
+        if going:  # their preStop hooks hold them until this checkpoint is committed
+            log.warning("preemption notice from %s: checkpointing step %d, the step in flight at the notice",
+                        ", ".join(going), self.step)
+        if self.checkpoints.enabled and (self.checkpoints.due(self.step) or self.preemption.requested or suspend
+                                         or going):
             self.save()
         if self.preemption.requested:
             return EXIT_PREEMPTED

@@ -29,6 +29,7 @@ from kuberl.api import types as t
 from kuberl.api.validate import ManifestError, pod_errors, validate_manifest
 from kuberl.api.contract import (ATTEMPT_ANNOTATION, CONFIG_DIR, CONFIG_FILE, CONFIG_PATH, DATA_DIR, HEAD_ROLE,
                              JOB_LABEL, JOB_NAME_ENV, METRICS_PORT, METRICS_PORT_ENV, MODEL_DIR, NAMESPACE_ENV,
+                             NOTICE_COMMAND, NOTICE_STOP_MARGIN_SECONDS,
                              PEER_NAMESPACE_LABEL, PLAN_FILE, PVC_ROOT, PVC_ROOT_ENV, RAY_DASHBOARD_PORT,
                              RAY_METRICS_PORT, ROLE_ENV, ROLLOUT_GROUP, RUN_AS_USER, STAGE_DIR, TRAINER_GROUP,
                              VALIDATION_DATA_DIR, config_map_name, labels, network_policy_name, ray_job_name,
@@ -250,6 +251,9 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
         "securityContext": _security_context(),
         "volumeMounts": mounts,
     }
+    notice = role in (HEAD_ROLE, TRAINER_GROUP)
+    if notice:
+        container["lifecycle"] = _notice_hook(spec.scheduling.termination_grace_period_seconds)
     writes = _write_claims(job, role)
     claims = dict.fromkeys([*_read_claims(job, "stager"), *_read_claims(job, role, plan), *writes])
     volumes = [
@@ -267,6 +271,8 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "fsGroup": RUN_AS_USER},
     }
     sched = spec.scheduling
+    if notice:
+        pod_spec["terminationGracePeriodSeconds"] = sched.termination_grace_period_seconds
     if sched.node_selector:
         pod_spec["nodeSelector"] = dict(sched.node_selector)
     if sched.tolerations:
@@ -274,6 +280,15 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
     if sched.priority_class_name:
         pod_spec["priorityClassName"] = sched.priority_class_name
     return {"metadata": {"labels": labels(job.metadata.name, role)}, "spec": pod_spec}
+
+
+def _notice_hook(grace_seconds: int) -> dict[str, Any]:
+    """The preStop hook of the head and trainer pods (``kuberl.cli.notice``): the driver checkpoints
+    the step in flight and the hook holds the pod, within its grace period, until that checkpoint
+    is committed. Rollout pods have none: a lost engine costs no step (its prompts go to the
+    others), so a checkpoint would only slow the run."""
+    wait = grace_seconds - NOTICE_STOP_MARGIN_SECONDS
+    return {"preStop": {"exec": {"command": [*NOTICE_COMMAND, "--wait-seconds", str(wait)]}}}
 
 
 def ray_start_resources(resources: dict[str, int]) -> str:

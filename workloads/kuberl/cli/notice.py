@@ -1,0 +1,108 @@
+"""`kuberl preemption-notice --wait-seconds N`: the preStop hook of the head and trainer pods.
+
+Kubernetes runs it when the pod is to go (``kubectl delete pod``, a node drain, a spot notice),
+before SIGTERM, within the pod's grace period. It joins the job's Ray cluster from inside the pod,
+tells the driver's notice board (``kuberl.driver.notices``) which pod is going, and waits until a
+checkpoint covering the step in flight is committed, then exits so the pod goes; the driver's
+in-place recovery (or, for the head, the operator's next attempt) restores that checkpoint.
+
+It never holds a pod for nothing: no driver (no board), a driver that dies meanwhile, or a job
+without checkpoint.uri returns at once; so does a head that is gone (KubeRay deleting the whole
+cluster: the GCS port answers nothing), and joining Ray may take at most ``CONNECT_SECONDS``
+(Ray's own client retries for minutes); past ``--wait-seconds`` it gives up (the newest
+checkpoint before is what is restored). It always exits 0: a failed hook only adds an Event, and
+the pod goes all the same. What it did is printed, and the driver logs each notice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+
+from kuberl.api.contract import NOTICE_ACTOR, RAY_NAMESPACE
+
+POLL_SECONDS = 0.5
+# Joining Ray and finding the board: seconds, even on a busy node; longer means a head in trouble.
+CONNECT_SECONDS = 45
+GCS_PROBE_SECONDS = 3
+
+
+def gcs_answers(address: str) -> bool:
+    """Whether the Ray cluster's GCS (``address``, or this node's cluster for "auto") accepts a
+    connection: a head that is gone answers nothing, and Ray's client would retry it for minutes."""
+    # What ray.init resolves "auto" with, and splits host:port (IPv6 too) with.
+    from ray._common.network_utils import parse_address
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        host, port = parse_address(canonicalize_bootstrap_address(address) or "") or ("", "")
+        socket.create_connection((host, int(port)), timeout=GCS_PROBE_SECONDS).close()
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def notify(address: str, pod: str, deadline: float, connected: threading.Event) -> str:
+    """Tell the driver ``pod`` is going and wait, until the monotonic ``deadline``, for the
+    checkpoint covering the step in flight; what happened, as one line. ``connected`` is set
+    once the board is found (or known to be absent)."""
+    import ray
+
+    if not gcs_answers(address):
+        connected.set()
+        return "the Ray cluster's head does not answer: no driver to checkpoint"
+    ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
+    try:
+        board = ray.get_actor(NOTICE_ACTOR, namespace=RAY_NAMESPACE)
+    except ValueError:
+        connected.set()
+        return "no kuberl driver is running in this Ray cluster: nothing to checkpoint"
+    connected.set()
+    try:
+        step = ray.get(board.notice.remote(pod))
+        if step is None:
+            return "the job has no checkpoint.uri: nothing to checkpoint"
+        while time.monotonic() < deadline:
+            if ray.get(board.committed_step.remote()) >= step:
+                return f"checkpoint step {step} (the step in flight at the notice) is committed"
+            time.sleep(POLL_SECONDS)
+    except ray.exceptions.RayActorError:
+        return "the driver ended before the checkpoint: the newest checkpoint before is restored"
+    return f"no checkpoint of step {step} was committed in time (raise scheduling.terminationGracePeriodSeconds)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kuberl preemption-notice", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--wait-seconds", type=float, required=True,
+                        help="hold the pod at most this long (its grace period less Ray's stop)")
+    parser.add_argument("--address", default="auto", help="the Ray cluster (default: this pod's own)")
+    args = parser.parse_args(argv)
+    pod = os.environ.get("HOSTNAME", "this pod")
+    started = time.monotonic()
+    deadline = started + args.wait_seconds
+    outcome: list[str] = []
+    connected = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome.append(notify(args.address, pod, deadline, connected))
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the pod must go: say it and return
+            outcome.append(f"could not reach the driver ({type(exc).__name__}: {exc})")
+            connected.set()
+
+    # Ray calls can block (a head dying meanwhile): these deadlines bound everything.
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    if connected.wait(min(CONNECT_SECONDS, args.wait_seconds)):
+        worker.join(max(0.0, deadline - time.monotonic()))
+    line = outcome[0] if outcome else f"gave up after {time.monotonic() - started:.0f} s"
+    print(f"kuberl preemption-notice {pod}: {line} ({time.monotonic() - started:.1f} s)", flush=True)
+    sys.stderr.flush()
+    # Not sys.exit: a Ray call still blocked in the thread would hold the interpreter's exit.
+    os._exit(0)
