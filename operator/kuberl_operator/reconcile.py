@@ -81,11 +81,20 @@ def current_attempt(job: t.RLTrainingJob, observed: o.Observed) -> int:
 
 
 def accepted_spec(job: t.RLTrainingJob, observed: o.Observed) -> dict[str, Any] | None:
-    """The spec the current attempt was created with (from its ConfigMap), if there is one."""
+    """The spec the current attempt was created with (from its ConfigMap), if there is one. Shared
+    between calls: read it, never change it."""
     cm = observed.config_map
     if not cm or CONFIG_FILE not in (cm.get("data") or {}):
         return None
-    return (yaml.load(cm["data"][CONFIG_FILE], Loader=plans.YAML_LOADER) or {}).get("spec")
+    return _config_spec(cm["data"][CONFIG_FILE])
+
+
+@functools.lru_cache(maxsize=1024)
+def _config_spec(config: str) -> dict[str, Any] | None:
+    """The spec in a ConfigMap's config file, parsed once per text: a reconcile reads it up to three
+    times (refused changes, the spec in effect, a live resize), and a running job's ConfigMap
+    changes only with its spec in effect."""
+    return (yaml.load(config, Loader=plans.YAML_LOADER) or {}).get("spec")
 
 
 def written_plan(observed: o.Observed) -> plans.RunPlan | None:

@@ -111,6 +111,7 @@ def import_path_type(field: str, what: str, example: str) -> Any:
 # Bounds on every number: the API server and CEL hold integers in 64 bits (a larger one is refused
 # by the server and overflows the local CEL evaluator); counts of steps stay far below that.
 MAX_STEPS = 10_000_000
+MAX_REPLICAS = 1024  # pods of one group (trainer or rollout)
 MAX_INT32 = 2**31 - 1
 
 # Bounds on every list and map: far above what a real job uses, far below what would carry an
@@ -390,7 +391,7 @@ class MoESpec(APIModel):
 
 class TrainerSpec(APIModel):
     strategy: Literal["fsdp2"] = Field("fsdp2", description="Data-parallel sharding strategy.")
-    replicas: int = Field(1, ge=1, le=1024, description="Trainer pods (nodes).")
+    replicas: int = Field(1, ge=1, le=MAX_REPLICAS, description="Trainer pods (nodes).")
     gpus_per_replica: int = Field(1, ge=0, le=16, description="GPUs per trainer pod; 0 trains on CPU (gloo).")
     processes_per_replica: int = Field(1, ge=1, le=64, description="Trainer processes per pod when "
                                        "gpusPerReplica is 0 (one per GPU otherwise).")
@@ -457,7 +458,7 @@ class RolloutSpec(APIModel):
              ".replicas"),
     ))
     engine: Literal["vllm"] = Field("vllm", description="Inference engine.")
-    replicas: int = Field(1, ge=1, le=1024, description="Rollout pods (nodes); ignored when colocated. "
+    replicas: int = Field(1, ge=1, le=MAX_REPLICAS, description="Rollout pods (nodes); ignored when colocated. "
                           "May change while the job runs (kubectl patch): engines join or leave at a "
                           "step boundary, without a restart.")
     gpus_per_replica: int = Field(1, ge=0, le=16, description="GPUs per rollout pod; each pod runs "

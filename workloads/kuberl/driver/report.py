@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from kuberl.api.types import GROUP, PLURAL, RECOVERY_KINDS, VERSION
+from kuberl.api.types import GROUP, MAX_REPLICAS, PLURAL, RECOVERY_KINDS, VERSION
 from kuberl.api.contract import JOB_NAME_ENV, NAMESPACE_ENV
 
 log = logging.getLogger("kuberl.train")
@@ -51,10 +51,6 @@ def redact_secrets(text: str, env: Mapping[str, str] | None = None) -> str:
 
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-# spec.rollout.replicas' bounds (kuberl.api.types.RolloutSpec): a value read outside them is ignored.
-MAX_ROLLOUT_REPLICAS = 1024
 
 
 class StatusReporter:
@@ -167,9 +163,9 @@ class KubernetesStatusReporter(StatusReporter):
         except (urllib.error.URLError, OSError, ValueError) as exc:
             log.warning("could not read spec.rollout.replicas from %s: %s", self.job_url, exc)
             return None
-        if type(value) is not int or not 1 <= value <= MAX_ROLLOUT_REPLICAS:  # the API server bounds it
+        if type(value) is not int or not 1 <= value <= MAX_REPLICAS:  # the API server bounds it
             log.warning("spec.rollout.replicas %r is not a count from 1 to %d; keeping the pool as it is",
-                        value, MAX_ROLLOUT_REPLICAS)
+                        value, MAX_REPLICAS)
             return None
         return value
 
