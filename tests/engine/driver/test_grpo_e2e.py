@@ -87,17 +87,27 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait(timeout=60)
 
 
+def wait_while_running(proc: subprocess.Popen, run_dir: Path, done, what: str, deadline: float,
+                       interval: float = 0.05) -> None:
+    """Poll ``done()`` until it is true, failing with the driver's log tail if the driver ``proc``
+    (logging under ``run_dir``) exits first, or if ``what`` has not come by ``deadline``."""
+    while not done():
+        assert proc.poll() is None, f"the driver in {run_dir.name} exited {proc.returncode}:\n{tail(run_dir / 'driver.log')}"
+        assert time.monotonic() < deadline, f"the driver in {run_dir.name}: {what} not in time"
+        time.sleep(interval)
+
+
 def run_until_step_10_is_committed(fs, root: str, config: Path, run_dir: Path, s3_env: dict[str, str]) -> None:
     """Start a driver and kill its process group once the step-10 checkpoint under ``root`` (a
     bucket path) is committed (``COMPLETE`` and ``latest``): a run killed mid-way, to resume."""
     run = start_driver(config, run_dir, s3_env)
     try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not (fs.exists(f"{root}/step-000000010/COMPLETE") and fs.exists(f"{root}/latest")):
-            assert run.poll() is None, f"the run exited {run.returncode}:\n{tail(run_dir / 'driver.log')}"
-            assert time.monotonic() < deadline, "the run wrote no step-10 checkpoint in time"
-            time.sleep(0.2)
+        def committed() -> bool:
             fs.invalidate_cache()
+            return fs.exists(f"{root}/step-000000010/COMPLETE") and fs.exists(f"{root}/latest")
+
+        wait_while_running(run, run_dir, committed, "the step-10 checkpoint",
+                           time.monotonic() + RUN_TIMEOUT_S, interval=0.2)
     finally:
         kill_group(run)
 
@@ -121,6 +131,11 @@ def metric_rows(run_dir: Path) -> list[dict]:
     """Every complete line of the metrics file, in the order written (a step run again repeats)."""
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
+
+
+def last_step(run_dir: Path) -> int:
+    """The newest step the run has written metrics for (0 before the first)."""
+    return max((row["step"] for row in metric_rows(run_dir)), default=0)
 
 
 def tail(path: Path, lines: int = 40) -> str:
@@ -197,18 +212,13 @@ def resumed_run(run_a, s3_root):
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         # After step 12; the step-10 checkpoint the recovery restores is B's, committed already.
-        while max((row["step"] for row in metric_rows(tmp / "c")), default=0) < 12:
-            assert run_c.poll() is None, f"run C exited {run_c.returncode}:\n{tail(tmp / 'c' / 'driver.log')}"
-            assert time.monotonic() < deadline, "run C made no progress in time"
-            time.sleep(0.05)
+        wait_while_running(run_c, tmp / "c", lambda: last_step(tmp / "c") >= 12, "step 12", deadline)
         engines = {p.pid for p in ray_workers(run_c, "RolloutEngine")}
         ranks = ray_workers(run_c, "TrainerActor")
         assert engines and len(ranks) == 2
         ranks[-1].kill()
-        while not any("trainer_recoveries" in row for row in metric_rows(tmp / "c")):
-            assert run_c.poll() is None, f"run C exited {run_c.returncode}:\n{tail(tmp / 'c' / 'driver.log')}"
-            assert time.monotonic() < deadline, "run C did not recover in time"
-            time.sleep(0.05)
+        wait_while_running(run_c, tmp / "c", lambda: any("trainer_recoveries" in row for row in metric_rows(tmp / "c")),
+                           "the trainer group's recovery", deadline)
         engines_after = {p.pid for p in ray_workers(run_c, "RolloutEngine")}
         wait(run_c, tmp / "c")
     finally:
@@ -239,11 +249,8 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_75(run_a, s3_root):
     fs, bucket, env = s3_root
     run_d = start_driver(write_config(tmp, f"s3://{bucket}/run-d"), tmp / "d", env)
     try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not (tmp / "d" / "metrics.jsonl").exists() or len(metrics(tmp / "d")) < 3:
-            assert run_d.poll() is None, f"run D exited {run_d.returncode}:\n{tail(tmp / 'd' / 'driver.log')}"
-            assert time.monotonic() < deadline, "run D made no progress in time"
-            time.sleep(0.05)
+        wait_while_running(run_d, tmp / "d", lambda: (tmp / "d" / "metrics.jsonl").exists() and len(metrics(tmp / "d")) >= 3,
+                           "step 3", time.monotonic() + RUN_TIMEOUT_S)
         run_d.send_signal(signal.SIGTERM)
         code = run_d.wait(timeout=RUN_TIMEOUT_S)
     finally:
@@ -310,12 +317,9 @@ def test_a_trainer_pods_preemption_notice_checkpoints_the_step_in_flight(run_a, 
     config.write_text(yaml.safe_dump(manifest))
     run_f = start_driver(config, tmp / "f", env)
     try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while max((row["step"] for row in metric_rows(tmp / "f")), default=0) < 2:
-            assert run_f.poll() is None, f"run F exited {run_f.returncode}:\n{tail(tmp / 'f' / 'driver.log')}"
-            assert time.monotonic() < deadline, "run F made no progress in time"
-            time.sleep(0.05)
-        done = max(row["step"] for row in metric_rows(tmp / "f"))
+        wait_while_running(run_f, tmp / "f", lambda: last_step(tmp / "f") >= 2, "step 2",
+                           time.monotonic() + RUN_TIMEOUT_S)
+        done = last_step(tmp / "f")
         # A local ray.init's cluster has token auth (the token in ~/.ray/auth_token), which a
         # client given an explicit address does not turn on by itself ("auto", in a pod, does).
         hook_env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_AUTH_MODE": "token"}
