@@ -46,6 +46,7 @@ class Trainer:
     def train_step(self, batch):
         self.batches.append(batch)
         return {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "aux_loss": 0.0, "clip_frac": 0.0,
+                "tis_ratio": 0.0, "tis_truncated_frac": 0.0,
                 "tokens": 1.0, "grad_norm": 0.0, "lr": 0.0, "skipped": 0.0, "skipped_total": 0.0,
                 "optimizer_steps": 1.0, "checkpoint_wait": 0.0}
 

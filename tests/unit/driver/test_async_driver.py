@@ -80,6 +80,7 @@ class Trainer:
         self.batches.append([(s.response_ids, old, s.advantage, s.weight_version)
                              for s, old in zip(batch.samples, batch.old_logprobs, strict=True)])
         return {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "aux_loss": 0.0, "clip_frac": 0.0,
+                "tis_ratio": 0.0, "tis_truncated_frac": 0.0,
                 "tokens": 1.0, "grad_norm": 0.0, "lr": 0.0, "skipped": 0.0, "skipped_total": 0.0,
                 "optimizer_steps": 1.0, "checkpoint_wait": 0.0}
 
@@ -232,3 +233,16 @@ def test_samples_without_engine_logprobs_are_refused(tiny, tmp_path):
     driver.engines.trainer_saw_it.set()  # no trainer step will run to release the background rollout
     with pytest.raises(ValueError, match="algorithm.asyncRollout: samples .* came without the engines' log-probs"):
         driver.train_step(0)
+
+
+def test_with_tis_the_ratio_is_against_the_trainers_logprobs_and_the_engines_weigh_it(tiny, tmp_path):
+    # algorithm.tis under asyncRollout: the PPO ratio is taken against the trainer's own log-probs
+    # (its weights now, a step ahead of the rollout's) and the truncated importance weight carries
+    # the engines' (the samples keep them) to those: decoupled PPO.
+    driver = _driver(tiny, tmp_path, Checkpoints(), tis={"cap": 2.0})
+    driver.trainer.log_probs = lambda batch: [[-9.0] * len(s.response_ids) for s in batch.samples]
+    code, _ = driver.run()
+    assert code == 0
+    for batch in driver.trainer.batches:
+        for _, old, _, _ in batch:
+            assert old == [-9.0] * len(old)

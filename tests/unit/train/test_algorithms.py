@@ -101,6 +101,22 @@ def test_gspo_sequence_ratio_clipped_per_sequence_and_sequence_mean():
     assert metrics["clipped_tokens"].item() == 0
 
 
+def test_truncated_importance_weights_per_token_and_per_sequence():
+    from kuberl.train.loss import TruncatedIS
+
+    # pi_old / mu per token: (0,0) 4 -> cap 2, (0,1) 1, (1,0) 0.5; the masked (1,1) is out.
+    tis = TruncatedIS(torch.log(torch.tensor([[4.0, 1.0], [0.5, 1.0]])), cap=2.0)
+    # Token level (grpo): the terms above times their weights, -1.2 * 2 - 1.0 * 1 + 1.6 * 0.5, over 3.
+    for algorithm in (GRPO, DAPO, RLOO):
+        loss, _ = algorithm.policy_loss(LOGPROBS, OLD, ADV, MASK, INDEX, TOTALS, clip_low=0.2, clip_high=0.2,
+                                        tis=tis)
+        assert loss.item() == pytest.approx((-2.4 - 1.0 + 0.8) / 3), algorithm.name
+    # Sequence level (gspo): sequence 0's weight sqrt(4 * 1) = 2 (not above the cap), sequence 1's 0.5:
+    # (-1.2 * 2 + 1.6 * 0.5) / 2.
+    loss, _ = GSPO.policy_loss(LOGPROBS, OLD, ADV, MASK, INDEX, TOTALS, clip_low=0.2, clip_high=0.2, tis=tis)
+    assert loss.item() == pytest.approx((-2.4 + 0.8) / 2)
+
+
 def test_gspo_gradient_flows_through_the_sequence_ratio():
     # At pi = pi_old every s_i = 1 and d loss / d log pi_t = -A_i * s_i / |y_i| / G:
     # sequence 0 (2 tokens, A = 1): -1/2/2 = -0.25 per token; sequence 1 (1 token, A = -2): 2/1/2 = 1.0;

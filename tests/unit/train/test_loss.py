@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kuberl.train.loss import entropy_from_logits, group_advantages, kl_penalty, policy_loss
+from kuberl.train.loss import TruncatedIS, entropy_from_logits, group_advantages, kl_penalty, policy_loss
 
 
 def test_policy_loss_clips_and_averages_over_tokens():
@@ -34,6 +34,44 @@ def test_policy_loss_gradient_is_zero_where_clipped():
     loss, _ = policy_loss(lp, torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1), 0.2, 0.2)
     loss.backward()
     assert lp.grad.item() == 0.0
+
+
+def test_truncated_importance_weights_bound_each_tokens_correction_at_the_cap():
+    # pi_old / mu per token: 0.5, 1.0, 4.0 (the engine found token 2 four times less likely than
+    # the trainer does); cap 2. The PPO ratio is 1 (pi = pi_old), so each token's term is -A * w.
+    old = torch.log(torch.tensor([[0.4, 0.3, 0.8]]))
+    mu = torch.log(torch.tensor([[0.8, 0.3, 0.2]]))
+    tis = TruncatedIS(old - mu, cap=2.0)
+    assert tis.token_weights()[0].tolist() == pytest.approx([0.5, 1.0, 2.0])
+    lp = old.clone().requires_grad_()
+    loss, metrics = policy_loss(lp, old, torch.tensor([1.0]), torch.ones(1, 3), 0.2, 0.2, tis=tis)
+    assert loss.item() == pytest.approx(-(0.5 + 1.0 + 2.0) / 3)  # 4.0 truncated to 2.0
+    assert metrics["clipped_tokens"].item() == 0
+    loss.backward()
+    # d/d lp of -A * exp(lp - old) * w at lp = old: -A * w / tokens; the weight is a constant.
+    assert lp.grad[0].tolist() == pytest.approx([-0.5 / 3, -1.0 / 3, -2.0 / 3])
+    # Without TIS the same tokens weigh the same: the correction is the only difference.
+    plain, _ = policy_loss(old, old, torch.tensor([1.0]), torch.ones(1, 3), 0.2, 0.2)
+    assert plain.item() == pytest.approx(-1.0)
+
+
+def test_truncated_importance_weight_multiplies_the_clipped_term_too():
+    # r = 1.5 is clipped at 1.28 for A = +1; w = pi_old / mu = 3 truncated to 2.
+    old = torch.zeros(1, 1)
+    loss, metrics = policy_loss(torch.log(torch.tensor([[1.5]])), old, torch.tensor([1.0]), torch.ones(1, 1),
+                                0.2, 0.28, tis=TruncatedIS(torch.log(torch.tensor([[3.0]])), cap=2.0))
+    assert loss.item() == pytest.approx(-1.28 * 2.0)
+    assert metrics["clipped_tokens"].item() == 1
+
+
+def test_sequence_truncated_importance_weight_is_the_geometric_mean_truncated():
+    # One sequence of 2 trained tokens (the third is masked): ratios 2 and 8 -> sqrt(16) = 4 -> cap 3;
+    # a second sequence with ratios 0.25 and 1 -> 0.5.
+    log_ratio = torch.log(torch.tensor([[2.0, 8.0, 100.0, 0.25, 1.0]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0, 1.0]])
+    index = torch.tensor([[0, 0, 0, 1, 1]])
+    weights = TruncatedIS(log_ratio * mask, cap=3.0).sequence_weights(mask, index, 2)
+    assert weights.tolist() == pytest.approx([3.0, 0.5])
 
 
 def test_kl_k3_estimator():

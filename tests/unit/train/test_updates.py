@@ -4,6 +4,8 @@ the importance ratio leaves 1 and the PPO clip binds; with one update it cannot.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 import socket
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from kuberl.api.types import AlgorithmSpec
-from kuberl.common.samples import Sample, TrainBatch
+from kuberl.common.samples import Sample, SampleError, TrainBatch
 from kuberl.driver.tiny import make_model
 from kuberl.driver.updates import merge_update_metrics, mini_batches, policy_updates
 
@@ -39,6 +41,7 @@ def test_mini_batches_keep_groups_whole_and_in_order():
 
 def test_merged_metrics_weight_updates_by_their_tokens():
     base = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "aux_loss": 0.0, "lr": 1e-6,
+            "tis_ratio": 1.0, "tis_truncated_frac": 0.0,
             "skipped": 0.0, "skipped_total": 0.0, "optimizer_steps": 1.0, "checkpoint_wait": 0.0}
     merged = merge_update_metrics([{**base, "clip_frac": 0.0, "tokens": 30.0, "grad_norm": 1.0},
                                    {**base, "clip_frac": 0.4, "tokens": 10.0, "grad_norm": 3.0, "optimizer_steps": 2.0}])
@@ -83,6 +86,28 @@ def test_update_epochs_repeat_the_pass(worker):
     assert policy_updates(worker, batch, algorithm)["updates"] == 4
     with pytest.raises(ValueError, match="behaviour policy"):
         policy_updates(worker, _batch(), algorithm)
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [0, 64], ids=["padded", "packed"])
+def test_truncated_importance_sampling_weighs_each_token_against_the_engines_logprobs(worker, micro_batch_tokens):
+    batch = _batch(seed=5)
+    batch.old_logprobs = worker.log_probs(batch)
+    for sample, old in zip(batch.samples, batch.old_logprobs):
+        # The engines' probability: the trainer's on even response tokens, a quarter of it on odd
+        # ones, so pi_old / mu is 1 on half the tokens and 4 (above the cap of 2) on the other half.
+        sample.response_logprobs = [lp - (math.log(4) if i % 2 else 0.0) for i, lp in enumerate(old)]
+    algorithm = AlgorithmSpec(promptsPerStep=4, groupSize=4, microBatchSize=4, tis={"cap": 2.0})
+    config = worker.config
+    worker.config = dataclasses.replace(config, tis_cap=algorithm.tis.cap, micro_batch_tokens=micro_batch_tokens)
+    try:
+        metrics = policy_updates(worker, batch, algorithm)
+        assert metrics["tis_truncated_frac"] == pytest.approx(0.5)
+        assert metrics["tis_ratio"] == pytest.approx((1 + 4) / 2, rel=1e-5)
+        batch.samples[3].response_logprobs = None  # e.g. an agent harness that returned none
+        with pytest.raises(SampleError, match=r"algorithm.tis: samples \[3\] .* without the engines' log-probs"):
+            policy_updates(worker, batch, algorithm)
+    finally:
+        worker.config = config
 
 
 def test_k3_kl_is_clamped_per_token():

@@ -275,6 +275,12 @@ def _clip_cel(bound: str) -> str:
     return f"(has(self.clipRatio{bound}) ? double(self.clipRatio{bound}) : {default})"
 
 
+class TruncatedISSpec(APIModel):
+    cap: float = Field(2.0, ge=1, le=1000, description="The largest importance weight pi_old / mu a "
+                       "token's loss gets (the TIS paper's C; verl's default 2): above it the weight is "
+                       "truncated, so a token the engines found unlikely cannot dominate the update.")
+
+
 class AlgorithmSpec(APIModel):
     model_config = ConfigDict(json_schema_extra=_rules(
         rule(f"{_clip_cel('High')} >= {_clip_cel('Low')}",
@@ -295,6 +301,10 @@ class AlgorithmSpec(APIModel):
              "algorithm.asyncRollout measures the importance ratio against the engines' log-probs, which "
              "with topP < 1 or topK are those of the truncated distribution the trainer does not compute; "
              "leave topP: 1 and topK: -1, or set asyncRollout: false", ".asyncRollout"),
+        rule("!has(self.tis) || (double(self.topP) == 1.0 && self.topK == -1)",
+             "algorithm.tis weighs each token by the trainer's probability over the engines', whose "
+             "log-probs with topP < 1 or topK are those of the truncated distribution the trainer does "
+             "not compute; leave topP: 1 and topK: -1, or remove algorithm.tis", ".tis"),
     ))
     name: AlgorithmName = Field("grpo", description="The RL algorithm (docs/algorithms.md): grpo "
                                 "(group-normalised advantages, token-mean loss), dr-grpo (no std or "
@@ -350,6 +360,13 @@ class AlgorithmSpec(APIModel):
                                 "trains on samples of the weights one step old (the staleness bound); the "
                                 "importance ratio is taken against the engines' log-probs. Needs topP 1, topK -1 and "
                                 "rollout.colocate: false (docs/algorithms.md).")
+    tis: TruncatedISSpec | None = Field(None, description="Truncated importance sampling: each token's "
+                                        "loss is weighted by min(pi_old / mu, cap), where mu is the engines' "
+                                        "probability of the token as it was sampled and pi_old the trainer's "
+                                        "before the update; it corrects the engines' numerics (vLLM's kernels "
+                                        "against the trainer's) and, with asyncRollout, their older weights "
+                                        "(then the PPO ratio is taken against the trainer's own log-probs). "
+                                        "Set {} for the default cap. Needs topP 1 and topK -1 (docs/algorithms.md).")
 
     def clip_range(self) -> tuple[float, float]:
         """(clipRatioLow, clipRatioHigh) with the algorithm's defaults for the unset ones."""

@@ -92,12 +92,15 @@ def rollout_from_state(state: dict[str, Any]) -> Rollout:
     return [Sample(**s) for s in state["samples"]], state["task_rewards"], state["metrics"]
 
 
-def engine_logprobs(samples: Sequence[Sample]) -> list[list[float]]:
-    """The behaviour policy's log-probs as the engines returned them with the samples."""
+def engine_logprobs(samples: Sequence[Sample], field: str = "algorithm.asyncRollout") -> list[list[float]]:
+    """The behaviour policy's log-probs as the engines returned them with the samples; ``field``
+    names the setting that needs them, for the error when some samples came without (an agent
+    harness that returns none: docs/agents.md)."""
     missing = [i for i, s in enumerate(samples) if s.response_logprobs is None]
     if missing:
-        raise ValueError(f"algorithm.asyncRollout: samples {missing[:8]} came without the engines' "
-                         f"log-probs, which the importance ratio needs")
+        raise ValueError(f"{field}: samples {missing[:8]} came without the engines' log-probs, which "
+                         f"the importance ratio needs; a harness must return them with each turn, or "
+                         f"remove {field}")
     return [list(s.response_logprobs) for s in samples]
 
 
@@ -467,6 +470,8 @@ class Driver:
                 self.engines.sleep()  # the trainer ranks get the GPUs' memory while they step
         for sample, advantage in zip(samples, advantages.tolist(), strict=True):
             sample.advantage = advantage
+        if self.spec.algorithm.tis is not None:
+            engine_logprobs(samples, "algorithm.tis")  # every trainer rank weighs against them
         batch = TrainBatch(samples)
         for name in self.algorithm.logprobs(self.spec.algorithm.kl_coef):
             with self._phase("logprobs"):
@@ -485,8 +490,10 @@ class Driver:
         update is measured against them (kuberl.driver.updates). Synchronous, the trainer
         recomputes them with its own numerics: it still holds the weights that generated the
         rollout. With asyncRollout it is a step ahead of those weights, so they are the engines'
-        (vLLM's, after temperature, as the tokens were drawn)."""
-        if name == "old" and self.spec.algorithm.async_rollout:
+        (vLLM's, after temperature, as the tokens were drawn), unless algorithm.tis: then the ratio
+        is against the trainer's own log-probs (its weights now, the proximal policy) and the
+        truncated importance weight corrects from the engines' to those."""
+        if name == "old" and self.spec.algorithm.async_rollout and self.spec.algorithm.tis is None:
             return engine_logprobs(batch.samples)
         return getattr(self.trainer, LOGPROB_METHODS[name])(batch)
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from kuberl.common.samples import TrainBatch
 
 # Per-update metrics averaged over updates weighted by their trained tokens (each is a token mean).
-TOKEN_MEANS = ("loss", "pg_loss", "kl", "entropy", "aux_loss", "clip_frac")
+TOKEN_MEANS = ("loss", "pg_loss", "kl", "entropy", "aux_loss", "clip_frac", "tis_ratio", "tis_truncated_frac")
 
 
 class Trainer(Protocol):

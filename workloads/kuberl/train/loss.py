@@ -9,6 +9,8 @@ parallel ranks add up to the token mean of the whole step).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -23,15 +25,41 @@ def masked_token_mean(values: torch.Tensor, mask: torch.Tensor,
     return (values * mask).sum() / _divisor(mask, total_tokens)
 
 
+@dataclass(frozen=True)
+class TruncatedIS:
+    """Truncated importance sampling (``algorithm.tis``; Yao et al., "Your Efficient RL Framework
+    Secretly Brings You Off-Policy RL Training", 2025): the tokens were drawn by the engines'
+    policy ``mu`` (vLLM's numerics, and with asyncRollout a step-older weight version), while the
+    PPO ratio is taken against ``pi_old``, the trainer's own log-probs before the update. Each
+    token's loss is weighted by ``min(pi_old / mu, cap)``, detached: the off-policy correction,
+    truncated so that one token the engine found unlikely cannot dominate the update.
+
+    ``log_ratio`` is ``log pi_old - log mu`` per position (0 outside responses)."""
+
+    log_ratio: torch.Tensor
+    cap: float
+
+    def token_weights(self) -> torch.Tensor:
+        return torch.exp(self.log_ratio).clamp(max=self.cap)
+
+    def sequence_weights(self, mask: torch.Tensor, sequence_index: torch.Tensor, count: int) -> torch.Tensor:
+        """One weight per sequence, for sequence-level ratios (gspo): the geometric mean of its
+        token ratios, ``exp(mean_t log(pi_old / mu))``, truncated at ``cap``."""
+        tokens = sequence_sums(mask, sequence_index, count).clamp(min=1)
+        return torch.exp(sequence_sums(self.log_ratio * mask, sequence_index, count) / tokens).clamp(max=self.cap)
+
+
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, clip_low: float, clip_high: float, *,
-                total_tokens: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                total_tokens: float | torch.Tensor | None = None,
+                tis: TruncatedIS | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped-ratio policy-gradient loss.
 
     ``advantages`` is per token ``(batch, tokens)`` or per sample ``(batch,)`` (broadcast over
     tokens). Per token: ``max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))`` with
-    ``r = exp(logprobs - old_logprobs)``. Returns the loss and detached metric sums
-    (``clipped_tokens``: tokens where the clipped term was the larger one).
+    ``r = exp(logprobs - old_logprobs)``, times ``tis``'s truncated weight when given. Returns
+    the loss and detached metric sums (``clipped_tokens``: tokens where the clipped term was the
+    larger one).
     """
     mask = mask.to(logprobs.dtype)
     if advantages.dim() == 1:
@@ -40,6 +68,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    if tis is not None:
+        per_token = per_token * tis.token_weights()
     loss = masked_token_mean(per_token, mask, total_tokens)
     with torch.no_grad():
         clipped_tokens = ((clipped > unclipped).to(mask.dtype) * mask).sum()

@@ -125,7 +125,7 @@ def position_ids(lengths: list[int], device: torch.device) -> torch.Tensor:
 
 
 def packed_fields(samples, old_logprobs, ref_logprobs, device: torch.device,
-                  weights: list[float] | None = None) -> dict:
+                  weights: list[float] | None = None, behaviour_logprobs=None) -> dict:
     """The tensors of one packed micro-batch (``worker.MicroBatch`` fields): every grid is
     ``(1, T-1)``, position t predicting token t+1; the positions that cross from one sample into
     the next are never in the mask. Advantages are per token (each sample's on its own tokens)."""
@@ -137,6 +137,7 @@ def packed_fields(samples, old_logprobs, ref_logprobs, device: torch.device,
     advantages = torch.zeros(1, width)
     old = torch.zeros(1, width) if old_logprobs is not None else None
     ref = torch.zeros(1, width) if ref_logprobs is not None else None
+    behaviour = torch.zeros(1, width) if behaviour_logprobs is not None else None
     starts, offset = [], 0
     for i, (s, n) in enumerate(zip(samples, lengths)):
         start = offset + len(s.prompt_ids) - 1
@@ -149,6 +150,8 @@ def packed_fields(samples, old_logprobs, ref_logprobs, device: torch.device,
             old[0, start:end] = torch.tensor(old_logprobs[i], dtype=torch.float32)
         if ref is not None:
             ref[0, start:end] = torch.tensor(ref_logprobs[i], dtype=torch.float32)
+        if behaviour is not None:
+            behaviour[0, start:end] = torch.tensor(behaviour_logprobs[i], dtype=torch.float32)
         offset += n
     return dict(
         input_ids=ids.to(device), attention_mask=None, targets=ids[:, 1:].to(device), mask=mask.to(device),
@@ -156,5 +159,6 @@ def packed_fields(samples, old_logprobs, ref_logprobs, device: torch.device,
         response_rows=[0] * len(samples), advantages=advantages.to(device),
         old_logprobs=old.to(device) if old is not None else None,
         ref_logprobs=ref.to(device) if ref is not None else None,
+        behaviour_logprobs=behaviour.to(device) if behaviour is not None else None,
         position_ids=position_ids(lengths, device), attention_kwargs=attention_kwargs(lengths, device),
     )

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 
-from kuberl.common.samples import SampleError, TrainBatch
+from kuberl.common.samples import Sample, SampleError, TrainBatch
 from kuberl.train import loss as L
 from kuberl.train import packing
 from kuberl.train.algorithms import registry
@@ -31,7 +31,8 @@ from kuberl.train.moe import is_moe_config
 
 log = logging.getLogger("kuberl.train")
 
-METRIC_NAMES = ("loss", "pg_loss", "kl", "entropy", "aux_loss", "clipped_tokens", "tokens")
+METRIC_NAMES = ("loss", "pg_loss", "kl", "entropy", "aux_loss", "clipped_tokens", "tokens",
+                "tis_ratio", "tis_truncated_tokens")
 
 
 @dataclass
@@ -54,6 +55,9 @@ class TrainerConfig:
     micro_batch_tokens: int = 0
     log_prob_micro_batch_size: int | None = None  # default: micro_batch_size
     kl_clamp: float | None = None
+    # algorithm.tis.cap: weight each token's loss by min(pi_old / mu, cap) against the engines'
+    # log-probs ``mu`` that came with the samples; None: no truncated importance sampling.
+    tis_cap: float | None = None
     temperature: float = 1.0
     seed: int = 42
     router_aux_loss_coef: float = 0.0
@@ -71,6 +75,7 @@ class TrainerConfig:
             micro_batch_size=algo.micro_batch_size, micro_batch_tokens=trainer.micro_batch_tokens,
             temperature=algo.temperature, seed=algo.seed,
             log_prob_micro_batch_size=algo.log_prob_micro_batch_size, kl_clamp=algo.kl_clamp,
+            tis_cap=algo.tis.cap if algo.tis is not None else None,
             router_aux_loss_coef=trainer.moe.router_aux_loss_coef,
             model=ModelOptions(trust_remote_code=spec.model.trust_remote_code,
                                gradient_checkpointing=trainer.gradient_checkpointing,
@@ -90,6 +95,8 @@ class MicroBatch:
     advantages: torch.Tensor      # (B,)
     old_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor | None
+    # The engines' log-probs of the sampled tokens (Sample.response_logprobs), for algorithm.tis.
+    behaviour_logprobs: torch.Tensor | None = None
     response_rows: list[int] = field(default_factory=list)  # grid row of each sample
     position_ids: torch.Tensor | None = None
     attention_kwargs: dict = field(default_factory=dict)    # packed: document boundaries
@@ -103,9 +110,10 @@ def _grid(rows: list[list[float]], starts: list[int], width: int, device) -> tor
 
 
 def make_micro_batch(batch: TrainBatch, device: torch.device, pad_id: int = 0,
-                     weights: list[float] | None = None) -> MicroBatch:
+                     weights: list[float] | None = None, behaviour: bool = False) -> MicroBatch:
     """Right-padded tensors; position t of the ``(B, L-1)`` grids predicts token t+1.
-    ``weights`` multiplies each sample's loss mask (0 drops padding samples)."""
+    ``weights`` multiplies each sample's loss mask (0 drops padding samples); ``behaviour`` adds
+    the engines' log-probs grid (``behaviour_logprobs``)."""
     seqs = [s.prompt_ids + s.response_ids for s in batch.samples]
     width = max(len(x) for x in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -125,7 +133,23 @@ def make_micro_batch(batch: TrainBatch, device: torch.device, pad_id: int = 0,
         advantages=torch.tensor([s.advantage for s in batch.samples], dtype=torch.float32, device=device),
         old_logprobs=_grid(batch.old_logprobs, starts, width - 1, device) if batch.old_logprobs is not None else None,
         ref_logprobs=_grid(batch.ref_logprobs, starts, width - 1, device) if batch.ref_logprobs is not None else None,
+        behaviour_logprobs=(_grid(behaviour_rows(batch.samples), starts, width - 1, device) if behaviour else None),
     )
+
+
+def behaviour_rows(samples: list[Sample]) -> list[list[float]]:
+    """The engines' log-probs of each sample's response tokens, which algorithm.tis weighs against."""
+    missing = [i for i, s in enumerate(samples) if s.response_logprobs is None]
+    if missing:
+        raise SampleError(f"algorithm.tis: samples {missing[:8]} of this micro-batch came without the "
+                          f"engines' log-probs, which the truncated importance weights need")
+    return [s.response_logprobs for s in samples]
+
+
+def tis_metric_sums(tis: L.TruncatedIS, mask: torch.Tensor) -> torch.Tensor:
+    """Over the trained tokens: the sum of pi_old / mu before truncation, and the count truncated."""
+    ratio = torch.exp(tis.log_ratio.detach())
+    return torch.stack([(ratio * mask).sum(), ((ratio > tis.cap).to(mask.dtype) * mask).sum()])
 
 
 def sequence_index(mb: MicroBatch) -> torch.Tensor:
@@ -250,9 +274,10 @@ class TrainerWorker:
 
     def _micro_batch(self, part: TrainBatch, weights: list[float]) -> MicroBatch:
         if self.config.micro_batch_tokens:
+            behaviour = behaviour_rows(part.samples) if self.config.tis_cap is not None else None
             return MicroBatch(**packing.packed_fields(part.samples, part.old_logprobs, part.ref_logprobs,
-                                                      self.device, weights))
-        return make_micro_batch(part, self.device, self.pad_id, weights)
+                                                      self.device, weights, behaviour_logprobs=behaviour))
+        return make_micro_batch(part, self.device, self.pad_id, weights, behaviour=self.config.tis_cap is not None)
 
     def _forward(self, model, mb: MicroBatch, *, with_entropy: bool):
         """Log-probs and entropy as ``mb.targets``-shaped grids, scored only at response positions
@@ -323,8 +348,10 @@ class TrainerWorker:
             logprobs, entropy, aux = self._forward(self.model, mb, with_entropy=True)
             # On-policy single update: without old log-probs the ratio is exactly 1.
             old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+            tis = (L.TruncatedIS((old - mb.behaviour_logprobs) * (mb.mask > 0), cfg.tis_cap)
+                   if cfg.tis_cap is not None else None)
             pg, extra = self.algorithm.policy_loss(logprobs, old, mb.advantages, mb.mask, index, totals,
-                                                   clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+                                                   clip_low=cfg.clip_low, clip_high=cfg.clip_high, tis=tis)
             ent = L.masked_token_mean(entropy, mb.mask, global_tokens)
             kl = (L.kl_penalty(logprobs, mb.ref_logprobs, mb.mask, total_tokens=global_tokens, clamp=cfg.kl_clamp)
                   if cfg.kl_coef > 0 else torch.zeros((), device=self.device))
@@ -332,9 +359,10 @@ class TrainerWorker:
             aux_term = (aux / len(micro)) if aux is not None else torch.zeros((), device=self.device)
             (total * scale + cfg.router_aux_loss_coef * aux_term).backward()
             with torch.no_grad():
-                sums += torch.stack([total.detach(), pg.detach(), kl.detach(), ent.detach(),
-                                     aux_term.detach() / self.world_size, extra["clipped_tokens"],
-                                     mb.mask.sum()]).float()
+                tis_sums = tis_metric_sums(tis, mb.mask) if tis is not None else torch.zeros(2, device=self.device)
+                sums += torch.cat([torch.stack([total.detach(), pg.detach(), kl.detach(), ent.detach(),
+                                                aux_term.detach() / self.world_size, extra["clipped_tokens"],
+                                                mb.mask.sum()]).float(), tis_sums.float()])
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -365,6 +393,10 @@ class TrainerWorker:
             "entropy": values["entropy"], "aux_loss": values["aux_loss"],
             "grad_norm": float(grad_norm.item()), "lr": float(lr),
             "clip_frac": values["clipped_tokens"] / tokens if tokens else 0.0,
+            # algorithm.tis: the token mean of pi_old / mu before truncation, and the share truncated
+            # (both 0 without it).
+            "tis_ratio": values["tis_ratio"] / tokens if tokens else 0.0,
+            "tis_truncated_frac": values["tis_truncated_tokens"] / tokens if tokens else 0.0,
             "tokens": tokens, "skipped": 1.0 if skipped else 0.0,
             "skipped_total": float(self.skipped_steps), "optimizer_steps": float(self.optimizer_steps),
             "checkpoint_wait": checkpoint_wait,

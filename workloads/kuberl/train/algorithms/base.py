@@ -60,17 +60,23 @@ class Algorithm:
 
     def policy_loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                     mask: torch.Tensor, sequence_index: torch.Tensor, totals: UpdateTotals, *,
-                    clip_low: float, clip_high: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    clip_low: float, clip_high: float, tis: L.TruncatedIS | None = None
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One micro-batch's share of the update's policy loss and detached metric sums
         (``clipped_tokens``). Grids are ``(rows, positions)``; ``advantages`` is per sample
         ``(rows,)`` or per position; ``sequence_index`` gives each position's sample within the
-        micro-batch (packed rows hold several)."""
+        micro-batch (packed rows hold several). ``tis`` (``algorithm.tis``) weights each term by
+        its truncated importance weight against the engines' policy, at the level of the
+        algorithm's ratio."""
         raise NotImplementedError
 
 
 def token_ratio_loss(logprobs, old_logprobs, advantages, mask, *, clip_low: float, clip_high: float,
-                     divisor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The PPO clipped surrogate with a per-token ratio, summed over trained tokens and divided by
-    ``divisor`` (the update's token count: token-mean; a constant: token-sum normalised)."""
-    return L.policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, total_tokens=divisor)
+                     divisor: torch.Tensor, tis: L.TruncatedIS | None = None
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The PPO clipped surrogate with a per-token ratio (and per-token truncated importance
+    weight), summed over trained tokens and divided by ``divisor`` (the update's token count:
+    token-mean; a constant: token-sum normalised)."""
+    return L.policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, total_tokens=divisor,
+                         tis=tis)
 

@@ -46,7 +46,8 @@ class DAPO(Algorithm):
         teaches nothing about the answer."""
         return max(rewards) != min(rewards)
 
-    def policy_loss(self, logprobs, old_logprobs, advantages, mask, sequence_index, totals, *, clip_low, clip_high):
+    def policy_loss(self, logprobs, old_logprobs, advantages, mask, sequence_index, totals, *, clip_low, clip_high,
+                    tis=None):
         return token_ratio_loss(logprobs, old_logprobs, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                                divisor=totals.tokens)
+                                divisor=totals.tokens, tis=tis)
 

@@ -18,9 +18,10 @@ class DrGRPO(Algorithm):
     def advantages(self, rewards, group_ids):
         return L.group_centred(rewards, group_ids)[0]
 
-    def policy_loss(self, logprobs, old_logprobs, advantages, mask, sequence_index, totals, *, clip_low, clip_high):
+    def policy_loss(self, logprobs, old_logprobs, advantages, mask, sequence_index, totals, *, clip_low, clip_high,
+                    tis=None):
         if not totals.max_response_tokens:
             raise ValueError("dr-grpo normalises by rollout.maxResponseLength; the trainer config has "
                              "no max_response_tokens")
         return token_ratio_loss(logprobs, old_logprobs, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                                divisor=totals.sequences * totals.max_response_tokens)
+                                divisor=totals.sequences * totals.max_response_tokens, tis=tis)

@@ -16,6 +16,7 @@ class GRPO(Algorithm):
     def advantages(self, rewards, group_ids):
         return L.group_advantages(rewards, group_ids)
 
-    def policy_loss(self, logprobs, old_logprobs, advantages, mask, sequence_index, totals, *, clip_low, clip_high):
+    def policy_loss(self, logprobs, old_logprobs, advantages, mask, sequence_index, totals, *, clip_low, clip_high,
+                    tis=None):
         return token_ratio_loss(logprobs, old_logprobs, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                                divisor=totals.tokens)
+                                divisor=totals.tokens, tis=tis)

@@ -23,7 +23,8 @@ class GSPO(Algorithm):
     def advantages(self, rewards, group_ids):
         return L.group_advantages(rewards, group_ids)
 
-    def policy_loss(self, logprobs, old_logprobs, advantages, mask, sequence_index, totals, *, clip_low, clip_high):
+    def policy_loss(self, logprobs, old_logprobs, advantages, mask, sequence_index, totals, *, clip_low, clip_high,
+                    tis=None):
         mask = mask.to(logprobs.dtype)
         if advantages.dim() == 1:
             advantages = advantages[:, None].expand_as(mask)
@@ -39,7 +40,10 @@ class GSPO(Algorithm):
         clipped = -advantage * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
         trained = (tokens > 0).to(logprobs.dtype)
         divisor = torch.as_tensor(totals.sequences, dtype=torch.float32, device=mask.device).clamp(min=1.0)
-        loss = (torch.maximum(unclipped, clipped) * trained).sum() / divisor
+        per_seq_loss = torch.maximum(unclipped, clipped)
+        if tis is not None:  # one weight per sequence, as the ratio is
+            per_seq_loss = per_seq_loss * tis.sequence_weights(mask, sequence_index, count)
+        loss = (per_seq_loss * trained).sum() / divisor
         with torch.no_grad():
             clipped_tokens = ((clipped > unclipped).to(tokens.dtype) * tokens).sum()
         return loss, {"clipped_tokens": clipped_tokens}

@@ -20,6 +20,7 @@ class RLOO(Algorithm):
         diff, size = L.group_centred(rewards, group_ids)
         return torch.where(size > 1, diff * size / (size - 1).clamp(min=1), torch.zeros_like(diff))
 
-    def policy_loss(self, logprobs, old_logprobs, advantages, mask, sequence_index, totals, *, clip_low, clip_high):
+    def policy_loss(self, logprobs, old_logprobs, advantages, mask, sequence_index, totals, *, clip_low, clip_high,
+                    tis=None):
         return token_ratio_loss(logprobs, old_logprobs, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                                divisor=totals.tokens)
+                                divisor=totals.tokens, tis=tis)
