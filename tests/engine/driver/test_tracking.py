@@ -34,6 +34,16 @@ def test_tensorboard_event_files_hold_the_metrics(tmp_path):
     assert "grad_norm" not in events.Tags()["scalars"]  # NaN is left out
 
 
+def test_run_name_names_the_run_in_the_trackers_instead_of_the_job(tmp_path):
+    pytest.importorskip("tensorboard")
+    spec = TrackingSpec.model_validate({"tensorboard": {"logDir": str(tmp_path / "tb")}, "runName": "exp-7.b"})
+    assert TrackingSpec().run_name_of("my-job") == "my-job"
+    trackers = make_trackers(spec, run_name=spec.run_name_of("my-job"), run_id="uid-1", config={}, work_dir=tmp_path)
+    trackers.log(1, STEPS[0])
+    trackers.close()
+    assert [p.name for p in (tmp_path / "tb").iterdir()] == ["exp-7.b"]
+
+
 def test_mlflow_file_store_holds_the_metrics(tmp_path):
     mlflow = pytest.importorskip("mlflow")
 

@@ -153,6 +153,7 @@ BAD_MANIFESTS: list[BadManifest] = [
                 "leave topP: 1 and topK: -1, or set asyncRollout: false"),
     BadManifest("tis_top_p", _set("spec.algorithm", {"tis": {}, "topP": 0.95}),
                 "leave topP: 1 and topK: -1, or remove algorithm.tis"),
+    BadManifest("tracking_run_name_is_a_path", _set("spec.tracking", {"runName": "../../etc"}), "runName"),
     BadManifest("tis_cap_below_one", _set("spec.algorithm", {"tis": {"cap": 0.5}}), "cap"),
     BadManifest("overlong_buffer_without_dapo", _set("spec.algorithm", {"name": "grpo", "overlongBuffer": 64}),
                 "apply to name: dapo only"),

@@ -590,6 +590,14 @@ class TrackingSpec(APIModel):
     wandb: WandbSpec | None = Field(None, description="Weights & Biases (the wandb library).")
     mlflow: MlflowSpec | None = Field(None, description="MLflow (the mlflow library).")
     tensorboard: TensorboardSpec | None = Field(None, description="TensorBoard event files (the tensorboard library).")
+    run_name: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                                 description="The run's name in every tracker: W&B's run name, MLflow's run "
+                                 "name (and experiment, unless set), TensorBoard's sub-directory of logDir. "
+                                 "Default: metadata.name. A name, not a path: letters, digits, '.', '_', '-'.")
+
+    def run_name_of(self, job_name: str) -> str:
+        """The name the trackers give the run: ``runName``, else the job's."""
+        return self.run_name or job_name
 
 
 class NumaSpec(APIModel):

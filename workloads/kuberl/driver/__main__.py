@@ -132,7 +132,7 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
 
         checkpoints = CheckpointManager(plan.checkpoints, plan.resume, trainer, on_committed=committed,
                                         on_restored=reporter.resumed)
-        trackers = make_trackers(spec.tracking, run_name=job.metadata.name,
+        trackers = make_trackers(spec.tracking, run_name=spec.tracking.run_name_of(job.metadata.name),
                                  run_id=job.metadata.uid or job.metadata.name,
                                  config=job.model_dump(mode="json", by_alias=True, exclude_none=True)["spec"],
                                  work_dir=Path(plan.paths.scratch))
