@@ -21,7 +21,8 @@ def make_spec(model_uri: str, **weight_sync):
     return RLTrainingJobSpec.model_validate({
         "image": "kuberl/worker:test", "model": {"uri": model_uri}, "data": {"uri": "/data/p.jsonl"},
         "trainer": {"gpusPerReplica": 0, "paramDtype": "float32"},
-        "rollout": {"gpusPerReplica": 0, "maxPromptLength": 64, "maxResponseLength": 32},
+        # One budget of 80 tokens: a prompt over 48 tokens leaves its response fewer than 32.
+        "rollout": {"gpusPerReplica": 0, "maxPromptLength": 64, "maxResponseLength": 32, "maxTotalLength": 80},
         "weightSync": {"method": "nccl", "bucketSizeMB": 1, **weight_sync},
         "numa": {"policy": "none"},
     })

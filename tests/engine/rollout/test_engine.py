@@ -40,8 +40,19 @@ def test_sampled_logprobs_match_scoring_at_temperature_one(pool):
 
 
 def test_prompt_too_long_is_rejected_with_the_limit_named(pool):
-    with pytest.raises(ValueError, match="maxPromptLength"):
+    with pytest.raises(ValueError, match=r"90 prompt tokens leave nothing .* context of 80 \(rollout.maxTotalLength\)"):
         pool.generate([[5] * 90], 1, temperature=1.0, max_tokens=8)
+
+
+def test_a_response_takes_what_its_prompt_leaves_of_the_token_budget(pool):
+    # rollout.maxTotalLength 80, maxResponseLength 32: a 4-token prompt may get 32 tokens, a
+    # 60-token one 20, a 64-token one (maxPromptLength) 16.
+    groups = pool.generate([[10, 11, 12, 13], [7] * 60, [8] * 64], 4, temperature=1.0, max_tokens=32, seed=3)
+    for limit, samples in zip((32, 20, 16), groups):
+        for sample in samples:
+            assert len(sample.prompt_ids) + len(sample.response_ids) <= 80
+            assert len(sample.response_ids) <= limit
+            assert sample.finish_reason == "stop" or len(sample.response_ids) == limit, (limit, sample)
 
 
 def test_sleep_is_a_reported_no_op_on_cpu(pool):

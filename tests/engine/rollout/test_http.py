@@ -255,7 +255,7 @@ def test_a_chunked_body_over_the_cap_is_413(base_url, pool):
     from kuberl.rollout.server import max_body_bytes
 
     rollout = pool.spec.rollout
-    limit = max_body_bytes(rollout.max_prompt_length + rollout.max_response_length)
+    limit = max_body_bytes(rollout.context_length())
     sent = []
 
     def chunks():  # no Content-Length: httpx sends it chunked
@@ -280,7 +280,7 @@ def test_a_huge_chat_does_not_stall_other_clients(base_url, pool, tokenizer):
     from kuberl.rollout.server import chat_ids, max_body_bytes
 
     rollout = pool.spec.rollout
-    size = max_body_bytes(rollout.max_prompt_length + rollout.max_response_length) - 1000
+    size = max_body_bytes(rollout.context_length()) - 1000
     chat = [{"role": "user", "content": "ab c" * (size // 4)}]
     start = time.perf_counter()
     chat_ids(tokenizer, chat)

@@ -30,11 +30,13 @@ EXPECTED = {
     "nemo-rl-grpo-qwen3-30b-a3b": (4, {"algorithm.logProbMicroBatchSize": 4, "algorithm.klClamp": 10.0,
                                        "trainer.replicas": 8, "rollout.gpuMemoryUtilization": 0.7,
                                        "algorithm.warmupSteps": 13,
-                                       "trainer.moe.routerAuxLossCoef": 0.0, "tracking.tensorboard.logDir": "/mnt/logs/tb"}),
+                                       "trainer.moe.routerAuxLossCoef": 0.0, "tracking.tensorboard.logDir": "/mnt/logs/tb",
+                                       "rollout.maxTotalLength": 4096}),
     "skyrl-search-r1": (2, {"algorithm.stop": ["</search>", "</answer>"], "agent.environment": "search_r1.env:SearchEnv",
                             "agent.maxTurns": 4, "agent.maxTokensPerTurn": 500, "algorithm.maxGradNorm": 0.5,
                             "algorithm.warmupSteps": 94, "weightSync.method": "nccl",
-                            "data.extraInfoField": "extra_info"}),
+                            "data.extraInfoField": "extra_info", "rollout.maxTotalLength": 4596,
+                            "algorithm.tis.cap": 2.0}),
 }
 
 

@@ -3,13 +3,13 @@ end-to-end run with a real engine is tests/engine/driver/test_peers_e2e.py)."""
 
 from __future__ import annotations
 
-from kuberl.api.types import ValidationSpec
+from kuberl.api.types import RolloutSpec, ValidationSpec
 from kuberl.driver.validation import Validator, pass_at_n
 
 
 def _validator(**spec) -> Validator:
     return Validator(ValidationSpec(uri="/data/val.jsonl", **spec), [], engines=None, tokenizer=None,
-                     reward_fn=None, prompt_ids=None, max_response_length=16, seed=0)
+                     reward_fn=None, prompt_ids=None, rollout=RolloutSpec(maxResponseLength=16), seed=0)
 
 
 def test_validation_runs_before_training_at_its_interval_and_after_the_last_step():

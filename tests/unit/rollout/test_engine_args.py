@@ -13,5 +13,21 @@ def test_cpu_engines_prefill_whole_prompts_because_seeded_requests_cannot_be_chu
     spec = embedded_job(tmp_path / "tiny").spec
     args = engine_kwargs(spec, str(tmp_path / "tiny" / "model"), "tiny", engine_index=0, on_cpu=True)
     assert args["enable_chunked_prefill"] is False
-    assert args["max_num_batched_tokens"] >= spec.rollout.max_prompt_length + spec.rollout.max_response_length
+    assert args["max_num_batched_tokens"] >= spec.rollout.context_length()
     assert args["enforce_eager"] is True
+
+
+def test_the_token_budget_is_the_engines_context_and_each_responses_share(tmp_path):
+    from kuberl.api.types import RolloutSpec
+    from kuberl.driver.__main__ import embedded_job
+    from kuberl.rollout.engine import engine_kwargs
+
+    split = RolloutSpec(maxPromptLength=1024, maxResponseLength=3072)
+    assert (split.context_length(), split.response_limit(100), split.response_limit(1024)) == (4096, 3072, 3072)
+    # NeMo-RL's max_total_sequence_length 4096: a response takes what its prompt leaves.
+    budget = RolloutSpec(maxPromptLength=1024, maxResponseLength=4095, maxTotalLength=4096)
+    assert (budget.context_length(), budget.response_limit(100), budget.response_limit(1024)) == (4096, 3996, 3072)
+    spec = embedded_job(tmp_path / "tiny").spec
+    spec.rollout = budget
+    args = engine_kwargs(spec, str(tmp_path / "tiny" / "model"), "tiny", engine_index=0, on_cpu=True)
+    assert args["max_model_len"] == 4096

@@ -163,10 +163,14 @@ def test_dapo_overlong_shaping_values():
     assert overlong_shaping(25, 20, 5, 1.0) == pytest.approx(-1.0)
     assert overlong_shaping(18, 20, 5, 0.5) == pytest.approx(-0.3)
     assert overlong_shaping(20, 20, 0, 1.0) == 0.0  # buffer 0: off
-    shaped = DAPO.shape_rewards([1.0, 0.0], [18, 10], max_response_tokens=20, overlong_buffer=5, overlong_penalty=1.0)
+    shaped = DAPO.shape_rewards([1.0, 0.0], [18, 10], response_limits=[20, 20], overlong_buffer=5, overlong_penalty=1.0)
     assert shaped == pytest.approx([0.4, 0.0])
+    # With a maxTotalLength budget each sample's L_max is what its prompt left: 10 tokens of 12 are
+    # 3 into the last 5.
+    shaped = DAPO.shape_rewards([1.0, 0.0], [18, 10], response_limits=[20, 12], overlong_buffer=5, overlong_penalty=1.0)
+    assert shaped == pytest.approx([0.4, -0.6])
     # The other algorithms train on the reward function's values.
-    assert GRPO.shape_rewards([1.0], [20], max_response_tokens=20, overlong_buffer=5, overlong_penalty=1.0) == [1.0]
+    assert GRPO.shape_rewards([1.0], [20], response_limits=[20], overlong_buffer=5, overlong_penalty=1.0) == [1.0]
 
 
 def test_only_dapo_filters_groups_whose_rewards_are_all_equal():

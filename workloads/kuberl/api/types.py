@@ -473,6 +473,12 @@ class RolloutSpec(APIModel):
              "(trainer.replicas, fixed while the job exists), so the rollout cannot resize alone; revert "
              "rollout.replicas, or run a job with rollout.colocate: false to resize its rollout pool live",
              ".replicas"),
+        rule("!has(self.maxTotalLength) || (self.maxTotalLength > self.maxPromptLength && "
+             "self.maxTotalLength < self.maxPromptLength + self.maxResponseLength)",
+             "rollout.maxTotalLength must be above maxPromptLength (a response needs a token) and below "
+             "maxPromptLength + maxResponseLength (no prompt and response reach that sum: the budget would "
+             "change nothing); to let short prompts' responses use the rest, raise maxResponseLength up "
+             "to maxTotalLength - 1", ".maxTotalLength"),
     ))
     engine: Literal["vllm"] = Field("vllm", description="Inference engine.")
     replicas: int = Field(1, ge=1, le=MAX_REPLICAS, description="Rollout pods (nodes); ignored when colocated. "
@@ -484,6 +490,13 @@ class RolloutSpec(APIModel):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Fraction of GPU memory vLLM may use.")
     max_prompt_length: int = Field(1024, ge=1, le=1_048_576, description="Longest prompt in tokens.")
     max_response_length: int = Field(1024, ge=1, le=1_048_576, description="Longest response in tokens.")
+    max_total_length: int | None = Field(None, ge=2, le=2_097_152, description="One token budget for a "
+                                         "prompt and its response together (vLLM's max_model_len; NeMo-RL's "
+                                         "max_total_sequence_length): each response may take what its prompt "
+                                         "leaves, up to maxResponseLength; prompts are still held to "
+                                         "maxPromptLength. E.g. 4096 with maxPromptLength 1024 and "
+                                         "maxResponseLength 4095: a 100-token prompt's response may run to 3996 "
+                                         "tokens. Default: none (each length on its own).")
     colocate: bool = Field(False, description="Run engines on the trainer's GPUs (sleeping while training).")
     resources: Resources = Field(default_factory=Resources, description="Per-pod CPU and memory.")
     engine_args: EngineArgs = Field(default_factory=EngineArgs, description="vLLM engine arguments "
@@ -496,6 +509,14 @@ class RolloutSpec(APIModel):
                                     f"rollout.env: variable names must match {ENV_NAME_PATTERN} "
                                     "(VLLM_*, NCCL_*, TORCH_*, PYTORCH_*, CUDA_*, OMP_*, MKL_*, "
                                     "TOKENIZERS_*, HF_HUB_*, TRANSFORMERS_*)")))
+
+    def context_length(self) -> int:
+        """The engines' context (vLLM's max_model_len): the shared budget, or both lengths."""
+        return self.max_total_length or self.max_prompt_length + self.max_response_length
+
+    def response_limit(self, prompt_tokens: int) -> int:
+        """The most tokens a response to a prompt of ``prompt_tokens`` tokens may have."""
+        return min(self.max_response_length, self.context_length() - prompt_tokens)
 
 
 class WeightSyncSpec(APIModel):

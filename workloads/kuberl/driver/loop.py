@@ -205,7 +205,7 @@ class Driver:
             self.validator = Validator(self.spec.validation, self._fitting(held_out, "spec.validation"),
                                        engines=engines, tokenizer=tokenizer, reward_fn=self.reward_fn,
                                        prompt_ids=self._chat_ids,
-                                       max_response_length=self.spec.rollout.max_response_length, seed=algo.seed)
+                                       rollout=self.spec.rollout, seed=algo.seed)
         self.trackers = trackers or Trackers([])
         self.exporter = exporter
         self.metrics_file = metrics_file
@@ -277,9 +277,10 @@ class Driver:
         else:
             groups, samples, rewards = self._generated_groups(prompts, seed)
         buffer, penalty = algo.overlong(max_tokens)
-        shaped = self.algorithm.shape_rewards(rewards, [len(s.response_ids) for s in samples],
-                                              max_response_tokens=max_tokens, overlong_buffer=buffer,
-                                              overlong_penalty=penalty)
+        shaped = self.algorithm.shape_rewards(
+            rewards, [len(s.response_ids) for s in samples],
+            response_limits=[self.spec.rollout.response_limit(len(s.prompt_ids)) for s in samples],
+            overlong_buffer=buffer, overlong_penalty=penalty)
         for sample, reward, value in zip(samples, rewards, shaped, strict=True):
             sample.metadata["task_reward"] = reward
             sample.reward = value
@@ -307,7 +308,8 @@ class Driver:
                     prompt=prompt.text, response=sample.response_text, answer=prompt.answer,
                     data_source=prompt.data_source, extra_info=prompt.extra_info,
                     prompt_tokens=len(sample.prompt_ids), response_tokens=len(sample.response_ids),
-                    max_response_tokens=max_tokens, finish_reason=sample.finish_reason, group=index))
+                    max_response_tokens=self.spec.rollout.response_limit(len(sample.prompt_ids)),
+                    finish_reason=sample.finish_reason, group=index))
         with self._phase("reward"):
             return groups, samples, self.reward_fn(inputs)
 

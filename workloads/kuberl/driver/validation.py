@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
-from kuberl.api.types import ValidationSpec
+from kuberl.api.types import RolloutSpec, ValidationSpec
 from kuberl.common.prompts import Prompt
 from kuberl.driver.rewards import RewardInput
 
@@ -34,14 +34,15 @@ class Validator:
 
     def __init__(self, spec: ValidationSpec, prompts: list[Prompt], *, engines: Any, tokenizer: Any,
                  reward_fn: Callable[[list[RewardInput]], list[float]],
-                 prompt_ids: Callable[[Sequence[dict]], list[int]], max_response_length: int, seed: int):
+                 prompt_ids: Callable[[Sequence[dict]], list[int]], rollout: RolloutSpec, seed: int):
         self.spec = spec
         self.prompts = prompts[:spec.max_prompts] if spec.max_prompts else prompts
         self.engines = engines
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         self.prompt_ids = prompt_ids
-        self.max_tokens = spec.max_response_length or max_response_length
+        self.max_tokens = spec.max_response_length or rollout.max_response_length
+        self.context_length = rollout.context_length()  # the engines' cap on prompt + response
         self.seed = seed
 
     def due(self, step: int, total_steps: int) -> bool:
@@ -63,7 +64,8 @@ class Validator:
                     prompt=prompt.text, response=self.tokenizer.decode(sample.response_ids, skip_special_tokens=True),
                     answer=prompt.answer, data_source=prompt.data_source, extra_info=prompt.extra_info,
                     prompt_tokens=len(sample.prompt_ids), response_tokens=len(sample.response_ids),
-                    max_response_tokens=self.max_tokens, finish_reason=sample.finish_reason, group=index))
+                    max_response_tokens=min(self.max_tokens, self.context_length - len(sample.prompt_ids)),
+                    finish_reason=sample.finish_reason, group=index))
                 group_of.append(index)
         rewards = self.reward_fn(inputs)
         metrics = {"val/reward": sum(rewards) / len(rewards),

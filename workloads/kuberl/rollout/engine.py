@@ -81,7 +81,7 @@ def engine_kwargs(spec, local_model_path: str, served_model_name: str, *, engine
     # vLLM's CPU linear layers call kernels prepacked from the weights through per-layer
     # closures; a traced graph would keep the closures it saw, so weight sync could never reach
     # generation. No graph capture on CPU: the closures the reload rebuilds are the ones called.
-    max_model_len = rollout.max_prompt_length + rollout.max_response_length
+    max_model_len = rollout.context_length()
     cpu_only = {
         "enforce_eager": True, "compilation_config": {"mode": 0},
         # After a partial (chunked) prefill step vLLM rewinds a seeded request's generator with
@@ -174,7 +174,8 @@ class RolloutEngine:
             # A staged model's temp dir must not outlive an engine that failed to start.
             self._resources.close()
             raise
-        self.max_model_len = spec.rollout.max_prompt_length + spec.rollout.max_response_length
+        self.rollout = spec.rollout
+        self.max_model_len = spec.rollout.context_length()
 
     # --- generation ------------------------------------------------------------------------
     async def _one(self, prompt_ids: list[int], params, group: int, token_text: bool = False) -> list[Sample]:
@@ -202,25 +203,32 @@ class RolloutEngine:
                 response_text=choice.text, metadata=metadata))
         return samples
 
-    def _check_prompt(self, prompt_ids: list[int], max_tokens: int, where: str) -> None:
+    def _response_tokens(self, prompt_ids: list[int], max_tokens: int, where: str) -> int:
+        """The request's ``max_tokens`` as the engine's context allows it: refused when the prompt
+        and ``max_tokens`` exceed the context, or with ``rollout.maxTotalLength`` cut to what the
+        prompt leaves of that budget."""
         if not prompt_ids:
             raise RequestRefused(where, "empty prompt")
-        if len(prompt_ids) + max_tokens > self.max_model_len:
+        if self.rollout.max_total_length is not None and len(prompt_ids) >= self.max_model_len:
+            raise RequestRefused(where, f"{len(prompt_ids)} prompt tokens leave nothing of the engine's "
+                                        f"context of {self.max_model_len} (rollout.maxTotalLength)")
+        if self.rollout.max_total_length is None and len(prompt_ids) + max_tokens > self.max_model_len:
             raise RequestRefused(where, f"{len(prompt_ids)} prompt tokens + max_tokens {max_tokens} exceed "
                                         f"the engine's context of {self.max_model_len} "
                                         f"(rollout.maxPromptLength + rollout.maxResponseLength)")
+        return min(max_tokens, self.max_model_len - len(prompt_ids))
 
     async def generate(self, prompts: list[list[int]], n: int, *, temperature: float, max_tokens: int,
                        seed: int | None = None, group_offset: int = 0, top_p: float = 1.0, top_k: int = -1,
                        stop: list[str] | None = None) -> list[list[Sample]]:
         """``n`` samples per prompt with the sampled tokens' log-probs; ``Sample.group`` is the
         prompt's index (plus ``group_offset``, for the pool's share of a larger batch)."""
-        for i, prompt in enumerate(prompts):
-            self._check_prompt(prompt, max_tokens, f"prompt {group_offset + i}")
+        limits = [self._response_tokens(prompt, max_tokens, f"prompt {group_offset + i}")
+                  for i, prompt in enumerate(prompts)]
         requests = []
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, limit) in enumerate(zip(prompts, limits)):
             group = group_offset + i
-            params = rollout_sampling_params(n=n, temperature=temperature, max_tokens=max_tokens, top_p=top_p,
+            params = rollout_sampling_params(n=n, temperature=temperature, max_tokens=limit, top_p=top_p,
                                              top_k=top_k, stop=stop, seed=None if seed is None else seed + group)
             requests.append(self._one(prompt, params, group))
         return list(await asyncio.gather(*requests))
@@ -237,7 +245,7 @@ class RolloutEngine:
         engine's and pass through."""
         from vllm import SamplingParams
 
-        self._check_prompt(prompt_ids, max_tokens, "prompt")
+        max_tokens = self._response_tokens(prompt_ids, max_tokens, "prompt")
         try:
             params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                     stop=stop or None, seed=seed, logprobs=0 if logprobs else None,

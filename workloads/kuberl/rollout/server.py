@@ -22,7 +22,8 @@ temperature, top-p, top-k and stop strings, a seed per turn, ``max_tokens`` capp
 the request's own fields: the driver, not the agent, decides how the policy samples. When its
 chat extends the previous turn's (that reply, then new messages), its prompt is the previous
 turn's ids plus the new messages' tokens (``kuberl.rollout.continuation``), not a re-tokenized
-chat; such a turn is bounded by the context (``maxPromptLength + maxResponseLength``), not by
+chat; such a turn is bounded by the context (``maxTotalLength``, else ``maxPromptLength +
+maxResponseLength``), not by
 ``maxPromptLength``, and its ``max_tokens`` is capped at the room left. Episode turns are routed
 to one engine, whose prefix cache holds the conversation.
 
@@ -256,7 +257,7 @@ def make_app(pool, tokenizer, episodes: EpisodeLog | None = None) -> Starlette:
     episodes = episodes if episodes is not None else EpisodeLog()
     router = StickyRouter(len(pool.engines))
     rollout = pool.spec.rollout
-    max_model_len = rollout.max_prompt_length + rollout.max_response_length
+    max_model_len = rollout.context_length()
     served = pool.served_model_name
     # The model's vocabulary, or the tokenizer's where that is larger: what vLLM accepts.
     vocab_size = max(pool.vocab_size, len(tokenizer))
@@ -380,8 +381,7 @@ def make_app(pool, tokenizer, episodes: EpisodeLog | None = None) -> Starlette:
         engine = engine_for(request, req.user, key)
         chat = [{"role": m.role, "content": m.text()} for m in req.messages]
         prompt_ids, continued = await episode_prompt(key, chat)
-        max_tokens = req.max_completion_tokens or req.max_tokens or min(
-            rollout.max_response_length, max(1, max_model_len - len(prompt_ids)))
+        max_tokens = req.max_completion_tokens or req.max_tokens or max(1, rollout.response_limit(len(prompt_ids)))
         params = episode_params(key, dict(temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens,
                                           stop=req.stop, seed=req.seed, logprobs=req.logprobs))
         params["max_tokens"] = turn_tokens(prompt_ids, params["max_tokens"], continued, "messages", "max_tokens")

@@ -41,9 +41,11 @@ class Algorithm:
         """Per-sample advantages from per-sample rewards; samples of a group share ``group_ids``."""
         raise NotImplementedError
 
-    def shape_rewards(self, rewards: list[float], response_tokens: list[int], *, max_response_tokens: int,
+    def shape_rewards(self, rewards: list[float], response_tokens: list[int], *, response_limits: Sequence[int],
                       overlong_buffer: int, overlong_penalty: float) -> list[float]:
-        """The rewards advantages are computed from; the reward function's by default."""
+        """The rewards advantages are computed from; the reward function's by default.
+        ``response_limits`` is each sample's longest possible response (``rollout.maxResponseLength``,
+        less with a ``maxTotalLength`` budget its prompt took part of)."""
         return rewards
 
     def keep_group(self, rewards: Sequence[float]) -> bool:

@@ -10,8 +10,9 @@ arXiv 2503.14476). On top of GRPO's group-normalised advantages:
   refilled with new prompts (``kuberl.driver.sampling``, at most ``maxRefillRounds``
   extra rounds);
 - soft overlong punishment: over the last ``L_cache`` = ``overlongBuffer`` tokens before
-  ``L_max`` = ``rollout.maxResponseLength`` the reward falls linearly, ``(L_max - L_cache - |y|)
-  / L_cache`` times ``overlongPenalty``, reaching ``-overlongPenalty`` at ``L_max``.
+  ``L_max`` = ``rollout.maxResponseLength`` (with a ``rollout.maxTotalLength`` budget, what the
+  sample's prompt left of it, if less) the reward falls linearly, ``(L_max - L_cache - |y|) /
+  L_cache`` times ``overlongPenalty``, reaching ``-overlongPenalty`` at ``L_max``.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ class DAPO(Algorithm):
     def advantages(self, rewards, group_ids):
         return L.group_advantages(rewards, group_ids)
 
-    def shape_rewards(self, rewards, response_tokens, *, max_response_tokens, overlong_buffer, overlong_penalty):
-        return [r + overlong_shaping(n, max_response_tokens, overlong_buffer, overlong_penalty)
-                for r, n in zip(rewards, response_tokens, strict=True)]
+    def shape_rewards(self, rewards, response_tokens, *, response_limits, overlong_buffer, overlong_penalty):
+        return [r + overlong_shaping(n, limit, overlong_buffer, overlong_penalty)
+                for r, n, limit in zip(rewards, response_tokens, response_limits, strict=True)]
 
     def keep_group(self, rewards):
         """Dynamic sampling: a group whose task rewards are all equal (all right or all wrong)
