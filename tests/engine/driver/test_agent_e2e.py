@@ -34,6 +34,10 @@ def run(tmp_path_factory):
     spec = manifest["spec"]
     spec["data"]["uri"] = str(tiny.make_calculator_data(tmp / "tiny" / "data" / "calculator.jsonl"))
     spec["agent"] = {"environment": "kuberl.rollout.agents.calculator:Calculator", "maxTurns": 2, "maxTokensPerTurn": 16}
+    # Validation runs episodes too: 4 held-out prompts (the training file's first), 2 sampled
+    # episodes each, at steps 15 and 30.
+    spec["validation"] = {"uri": spec["data"]["uri"], "maxPrompts": 4, "n": 2, "temperature": 1.0,
+                          "intervalSteps": 15, "beforeTraining": False}
     spec["algorithm"]["totalSteps"] = STEPS
     # A turn's prompt grows by the reply and the tool's message: the episode needs ~100 tokens.
     spec["rollout"].update(maxPromptLength=48, maxResponseLength=80)
@@ -51,6 +55,14 @@ def test_mean_reward_rises(run):
     # 0.2 is the reward of calling the tool and answering wrong: above 0.1, half the episodes or
     # more call it (at first about one in eight does: "=" somewhere in 16 random characters).
     assert last > 0.1 and last > 3 * first, rewards
+
+
+def test_validation_scores_agent_episodes(run):
+    validated = [step for step in run if "val/reward" in run[step]]
+    assert validated == [15, 30], validated
+    for step in validated:
+        assert 0.0 <= run[step]["val/reward"] <= 1.0 and "val/pass@2" in run[step], run[step]
+        assert 0 < run[step]["val/response_length"] <= 2 * 16, run[step]  # two replies of at most 16
 
 
 def test_the_loss_mask_excludes_the_tool_tokens(run):

@@ -231,8 +231,4 @@ BAD_MANIFESTS: list[BadManifest] = [
                 _all(_set("spec.agent", {"environment": "my.envs:Env", "maxTokensPerTurn": 2048}),
                      _set("spec.rollout.maxResponseLength", 1024)),
                 "agent.maxTokensPerTurn must be at most rollout.maxResponseLength"),
-    BadManifest("agent_with_validation",
-                _all(_set("spec.agent", {"environment": "my.envs:Env"}),
-                     _set("spec.validation", {"uri": "s3://datasets/val.jsonl"})),
-                "agent: validation runs single-turn prompts"),
 ]

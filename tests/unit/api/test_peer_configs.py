@@ -36,7 +36,8 @@ EXPECTED = {
                             "agent.maxTurns": 4, "agent.maxTokensPerTurn": 500, "algorithm.maxGradNorm": 0.5,
                             "algorithm.warmupSteps": 94, "weightSync.method": "nccl",
                             "data.extraInfoField": "extra_info", "rollout.maxTotalLength": 4596,
-                            "algorithm.tis.cap": 2.0}),
+                            "algorithm.tis.cap": 2.0, "validation.intervalSteps": 50,
+                            "validation.beforeTraining": False}),
 }
 
 

@@ -574,7 +574,9 @@ class ValidationSpec(APIModel):
     top_k: int = Field(-1, ge=-1, le=1_000_000, description="Top-k sampling; -1 disables it.")
     stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings.")
     max_response_length: int | None = Field(None, ge=1, le=1_048_576,
-                                            description="Longest response; default rollout.maxResponseLength.")
+                                            description="Longest response; default rollout.maxResponseLength. "
+                                            "With spec.agent: the longest reply of each turn; default "
+                                            "agent.maxTokensPerTurn (or rollout.maxResponseLength).")
     max_prompts: int | None = Field(None, ge=1, le=MAX_INT32, description="Use only the first this many prompts.")
     pass_threshold: float = Field(1.0, description="A sample passes (for pass@n) when its reward is at least this.")
 
@@ -688,9 +690,6 @@ class RLTrainingJobSpec(APIModel):
              "self.agent.maxTokensPerTurn <= self.rollout.maxResponseLength",
              "agent.maxTokensPerTurn must be at most rollout.maxResponseLength (a first turn's prompt may "
              "take all of maxPromptLength)", ".agent.maxTokensPerTurn"),
-        rule("!has(self.agent) || !has(self.validation)",
-             "agent: validation runs single-turn prompts and does not run agent episodes yet; remove "
-             "spec.validation", ".validation"),
         rule("self.trainer.replicas < 1 || self.trainer.processesPerReplica < 1 || "
              "(self.algorithm.promptsPerStep * self.algorithm.groupSize) % "
              "(self.trainer.replicas * (self.trainer.gpusPerReplica > 0 ? self.trainer.gpusPerReplica "

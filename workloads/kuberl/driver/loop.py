@@ -205,7 +205,7 @@ class Driver:
             self.validator = Validator(self.spec.validation, self._fitting(held_out, "spec.validation"),
                                        engines=engines, tokenizer=tokenizer, reward_fn=self.reward_fn,
                                        prompt_ids=self._chat_ids,
-                                       rollout=self.spec.rollout, seed=algo.seed)
+                                       rollout=self.spec.rollout, seed=algo.seed, agent=self.agent)
         self.trackers = trackers or Trackers([])
         self.exporter = exporter
         self.metrics_file = metrics_file

@@ -1,5 +1,7 @@
 """Held-out validation (``spec.validation``): the current policy's responses to a separate file,
-sampled with their own parameters (greedy by default), scored by the job's reward function.
+sampled with their own parameters (greedy by default), scored by the job's reward function; with
+``spec.agent``, whole episodes (the environment or harness, every turn sampled with the
+validation's parameters), scored by the episodes' own rewards.
 
 Reported as ``val/reward`` (mean reward over every sample) and, when ``validation.n`` > 1,
 ``val/pass@<n>`` (the share of prompts with at least one sample whose reward reaches
@@ -16,6 +18,7 @@ from typing import Any, Callable, Sequence
 from kuberl.api.types import RolloutSpec, ValidationSpec
 from kuberl.common.prompts import Prompt
 from kuberl.driver.rewards import RewardInput
+from kuberl.rollout.transitions import EpisodeSampling
 
 log = logging.getLogger("kuberl.train")
 
@@ -33,8 +36,9 @@ class Validator:
     training and validation prompts are built alike); ``reward_fn`` scores ``RewardInput`` lists."""
 
     def __init__(self, spec: ValidationSpec, prompts: list[Prompt], *, engines: Any, tokenizer: Any,
-                 reward_fn: Callable[[list[RewardInput]], list[float]],
-                 prompt_ids: Callable[[Sequence[dict]], list[int]], rollout: RolloutSpec, seed: int):
+                 reward_fn: Callable[[list[RewardInput]], list[float]] | None,
+                 prompt_ids: Callable[[Sequence[dict]], list[int]], rollout: RolloutSpec, seed: int,
+                 agent: Any = None):
         self.spec = spec
         self.prompts = prompts[:spec.max_prompts] if spec.max_prompts else prompts
         self.engines = engines
@@ -44,6 +48,9 @@ class Validator:
         self.max_tokens = spec.max_response_length or rollout.max_response_length
         self.context_length = rollout.context_length()  # the engines' cap on prompt + response
         self.seed = seed
+        # With spec.agent: validation runs episodes (kuberl.rollout.agents.episodes.AgentRollout)
+        # under the validation's sampling, and the episodes' rewards replace reward_fn's.
+        self.agent = agent
 
     def due(self, step: int, total_steps: int) -> bool:
         """Before training (step 0) when asked, every ``intervalSteps`` and after the last step."""
@@ -53,6 +60,28 @@ class Validator:
 
     def run(self, step: int) -> dict[str, float]:
         started = time.perf_counter()
+        rewards, lengths, group_of = self._episodes() if self.agent is not None else self._responses()
+        metrics = {"val/reward": sum(rewards) / len(rewards),
+                   "val/response_length": sum(lengths) / len(lengths),
+                   "val/seconds": time.perf_counter() - started}
+        if self.spec.n > 1:
+            metrics[f"val/pass@{self.spec.n}"] = pass_at_n(rewards, group_of, self.spec.pass_threshold)
+        log.info("validation step %d: %s", step, " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
+        return metrics
+
+    def _episodes(self) -> tuple[list[float], list[int], list[int]]:
+        """``n`` agent episodes per prompt: their rewards, their model tokens (tool and environment
+        tokens are not the policy's) and their prompts' indices."""
+        sampling = EpisodeSampling(temperature=self.spec.temperature, top_p=self.spec.top_p, top_k=self.spec.top_k,
+                                   stop=tuple(self.spec.stop),
+                                   max_tokens=self.spec.max_response_length or self.agent.max_tokens)
+        groups = self.agent.generate(self.prompts, self.spec.n, self.seed, sampling=sampling)
+        samples = [(index, sample) for index, group in enumerate(groups) for sample in group]
+        return ([s.reward for _, s in samples], [sum(s.loss_mask or [1] * len(s.response_ids)) for _, s in samples],
+                [index for index, _ in samples])
+
+    def _responses(self) -> tuple[list[float], list[int], list[int]]:
+        """``n`` single responses per prompt, scored by ``spec.reward``."""
         ids = [self.prompt_ids(p.messages) for p in self.prompts]
         groups = self.engines.generate(ids, self.spec.n, temperature=self.spec.temperature,
                                        max_tokens=self.max_tokens, seed=self.seed, top_p=self.spec.top_p,
@@ -67,11 +96,4 @@ class Validator:
                     max_response_tokens=min(self.max_tokens, self.context_length - len(sample.prompt_ids)),
                     finish_reason=sample.finish_reason, group=index))
                 group_of.append(index)
-        rewards = self.reward_fn(inputs)
-        metrics = {"val/reward": sum(rewards) / len(rewards),
-                   "val/response_length": sum(x.response_tokens for x in inputs) / len(inputs),
-                   "val/seconds": time.perf_counter() - started}
-        if self.spec.n > 1:
-            metrics[f"val/pass@{self.spec.n}"] = pass_at_n(rewards, group_of, self.spec.pass_threshold)
-        log.info("validation step %d: %s", step, " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
-        return metrics
+        return self.reward_fn(inputs), [x.response_tokens for x in inputs], group_of

@@ -131,23 +131,26 @@ class AgentRollout:
         self.step_timeout_s = float(self.agent.step_timeout_seconds)
         self.base_url, self.model, self.episodes = base_url, model, episodes
 
-    def generate(self, prompts: Sequence[Prompt], group_size: int, seed: int) -> list[list[Sample]]:
+    def generate(self, prompts: Sequence[Prompt], group_size: int, seed: int,
+                 sampling: EpisodeSampling | None = None) -> list[list[Sample]]:
         """``group_size`` episode samples per prompt, in prompt order; ``Sample.group`` is the
-        prompt's index and ``Sample.reward`` the episode's reward."""
+        prompt's index and ``Sample.reward`` the episode's reward. ``sampling`` replaces the
+        training's (``spec.algorithm``'s) for validation episodes."""
         jobs = [(prompt, group, member) for group, prompt in enumerate(prompts) for member in range(group_size)]
         pool = ThreadPoolExecutor(max_workers=min(self.agent.concurrency, len(jobs)))
         try:
-            samples = list(pool.map(lambda job: self.episode(*job, seed=seed), jobs))
+            samples = list(pool.map(lambda job: self.episode(*job, seed=seed, sampling=sampling), jobs))
         finally:
             # After a failed episode the step fails: the episodes not started yet never start.
             pool.shutdown(wait=True, cancel_futures=True)
         return [samples[i:i + group_size] for i in range(0, len(samples), group_size)]
 
-    def episode(self, prompt: Prompt, group: int, member: int, *, seed: int) -> Sample:
+    def episode(self, prompt: Prompt, group: int, member: int, *, seed: int,
+                sampling: EpisodeSampling | None = None) -> Sample:
         form = self.agent.environment or "spec.agent.harness"
         where = f"{form} (prompt {prompt.index}, episode {member})"
         seed = episode_seed(seed, group, member)
-        key = self.episodes.open(dataclasses.replace(self.sampling, seed=seed))
+        key = self.episodes.open(dataclasses.replace(sampling or self.sampling, seed=seed))
         try:
             if self.environment is not None:
                 # A client per episode, used by its thread alone: httpx's sync connection pool,
