@@ -48,6 +48,9 @@ def ray_session(ray_s3_endpoint):
 
 _tier_seconds: dict[str, float] = defaultdict(float)
 _tier_tests: dict[str, int] = defaultdict(int)
+_file_seconds: dict[str, float] = defaultdict(float)
+# How many of the costliest test files the summary names: what holds CI's time.
+SLOWEST_FILES = 15
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -56,8 +59,10 @@ def pytest_runtest_protocol(item):
     start = time.monotonic()
     yield
     tier = tier_of(item.path) or "other"
-    _tier_seconds[tier] += time.monotonic() - start
+    seconds = time.monotonic() - start
+    _tier_seconds[tier] += seconds
     _tier_tests[tier] += 1
+    _file_seconds[item.nodeid.split("::")[0]] += seconds
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -68,3 +73,6 @@ def pytest_terminal_summary(terminalreporter):
     for tier in [*TIERS, "other"]:
         if _tier_tests.get(tier):
             terminalreporter.write_line(f"{tier:8s} {_tier_seconds[tier]:8.1f} s  {_tier_tests[tier]:5d} tests")
+    terminalreporter.section(f"the {SLOWEST_FILES} costliest test files (setup, calls and teardown)")
+    for path, seconds in sorted(_file_seconds.items(), key=lambda kv: -kv[1])[:SLOWEST_FILES]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
