@@ -23,7 +23,7 @@ class FileRecord:
     path: str            # '/'-separated, relative to the destination
     size: int
     etag: str | None     # the store's identity for this content (S3 ETag, GCS generation, ...)
-    checksum: str        # what was verified beyond the size: "md5" or "size"
+    checksum: str        # what was verified: "crc32c", "crc32", "md5" or just the "size"
 
 
 def load_verified(dst: Path, source: str) -> dict[str, FileRecord]:

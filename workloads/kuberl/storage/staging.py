@@ -52,8 +52,8 @@ def stage(src: str, dst: str | Path, *, workers: int = DEFAULT_WORKERS,
           log_interval_s: float = 10.0) -> StageResult:
     """Copy ``src`` into directory ``dst``; see the module docstring of kuberl.storage.
 
-    ``checksum``: "auto" verifies MD5s where the store gives them (S3 single-part ETags, GCS
-    md5Hash) besides sizes; "size" verifies sizes only. ``exclude``: glob patterns on the
+    ``checksum``: "auto" verifies, besides sizes, the fastest checksum the store gives
+    (CRC32C, CRC32, else MD5: kuberl.storage.checksums); "size" verifies sizes only. ``exclude``: glob patterns on the
     relative path. A source naming one ``.tar`` object is unpacked into ``dst`` (uncompressed
     tar only, through kuberl.storage.archive) unless ``unpack_tar`` is False. A source holding a
     checkpoint manifest (a top-level ``COMPLETE``) must hold exactly the files it lists. A
@@ -73,7 +73,7 @@ def stage(src: str, dst: str | Path, *, workers: int = DEFAULT_WORKERS,
     root = filesystems.root_path(parsed)
     files = list_source(fs, parsed, root, src, exclude=exclude, attempts=attempts)
     check_against_manifest(fs, files, src, exclude, attempts)
-    options = dict(workers=workers, part_size=part_size, verify_md5=checksum == "auto",
+    options = dict(workers=workers, part_size=part_size, verify=checksum == "auto",
                    attempts=attempts)
     if unpack_tar and len(files) == 1 and files[0].key == root and root.endswith(".tar"):
         return _stage_tar(fs, files[0], src, dst, options, started, progress_stream, log_interval_s)
