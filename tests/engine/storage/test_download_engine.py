@@ -131,6 +131,7 @@ def test_connection_cut_mid_range_resumes_at_the_first_missing_byte(s3, s3_env, 
     # The first GET (the whole object) hands the rest to ranges of 3 MiB after its first 1 MiB.
     monkeypatch.setattr(download, "_PROBE_BYTES", 1 << 20)
     monkeypatch.setattr(download, "FAST_STREAM_BPS", float("inf"))
+    monkeypatch.setattr(download, "_WAITING_ON_NETWORK", float("-inf"))
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
     try:
         with caplog.at_level("WARNING", logger="kuberl.storage"):

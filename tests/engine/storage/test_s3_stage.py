@@ -107,7 +107,11 @@ def test_crc32c_object_is_verified_with_crc32c(s3, tmp_path, monkeypatch, stream
     fs.pipe_file(f"{bucket}/c/config.json", b"{}")  # the SDK's default: CRC32
     # After its first 256 KiB the first GET goes on alone, or leaves the rest to 6 ranges.
     monkeypatch.setattr(download, "_PROBE_BYTES", 256 << 10)
-    monkeypatch.setattr(download, "FAST_STREAM_BPS", 0 if stream == "one stream" else float("inf"))
+    if stream == "ranges":  # as if the stream were slow and waiting on the network
+        monkeypatch.setattr(download, "FAST_STREAM_BPS", float("inf"))
+        monkeypatch.setattr(download, "_WAITING_ON_NETWORK", float("-inf"))
+    else:
+        monkeypatch.setattr(download, "FAST_STREAM_BPS", 0)
     stage(f"s3://{bucket}/c", tmp_path, part_size=128 << 10, workers=4)
     assert (tmp_path / "model.bin").read_bytes() == data
     manifest = json.loads((tmp_path / ".complete").read_text())
@@ -120,7 +124,9 @@ def test_object_not_matching_its_crc32c_fails_naming_both(s3, tmp_path, monkeypa
     fs, bucket = s3
     put_with_crc32c(bucket, "bad/model.bin", os.urandom(size), crc32c="AAAAAA==")
     monkeypatch.setattr(download, "_PROBE_BYTES", 256 << 10)
-    monkeypatch.setattr(download, "FAST_STREAM_BPS", float("inf"))  # the large one in ranges
+    # The large one in ranges: as if the stream were slow and waiting on the network.
+    monkeypatch.setattr(download, "FAST_STREAM_BPS", float("inf"))
+    monkeypatch.setattr(download, "_WAITING_ON_NETWORK", float("-inf"))
     uri = f"s3://{bucket}/bad"
     with pytest.raises(StorageError, match=rf"{uri}: model.bin: CRC32C mismatch: the store says "
                                            rf"AAAAAA==, the data hashes to \S+==; the object is "

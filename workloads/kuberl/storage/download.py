@@ -46,14 +46,17 @@ _HASH_BLOCK = 8 << 20
 # What one worker holds in memory at a time: one streamed block of a range.
 STREAM_BLOCK = 1 << 20
 _FSSPEC_BLOCK = 8 << 20
-# A large file's first GET asks for the whole object; after this many bytes its rate decides
-# whether that one stream goes on to the end or the rest is fetched as parallel ranges. Ranges
-# pay where one connection is slower than the client can copy: S3 serves ~100 MB/s per
-# connection, a 20 ms RTT link gave 0.19 GB/s here. A stream faster than FAST_STREAM_BPS means
-# the store is near (loopback, the same node): on 2 cores one stream moved 2.5 GB/s where 32
-# ranges, copying in 32 threads against the server, reached 0.7 (docs/staging.md).
+# A large file's first GET asks for the whole object; once this many bytes have arrived, the
+# stream goes on alone to the end unless it is slower than FAST_STREAM_BPS and its thread spent
+# at least _WAITING_ON_NETWORK of the time asleep on the socket: then the rest is fetched as
+# parallel ranges. Ranges pay where one connection is slower than the client can copy (S3
+# serves ~100 MB/s per connection; a 20 ms RTT link gave 0.19 GB/s here). A faster stream means
+# a near store (loopback, the same node), and a thread that ran or waited for a core most of
+# the time is held back by the CPU, not the link: more copying threads would only share the
+# cores (on 2 loaded cores one stream moved 1 GiB with 0.6 s of CPU, 124 ranges with 1.7).
 _PROBE_BYTES = 32 << 20
 FAST_STREAM_BPS = 400e6
+_WAITING_ON_NETWORK = 0.5
 
 
 @dataclass(frozen=True)
@@ -312,6 +315,17 @@ def range_reader(fs: fsspec.AbstractFileSystem, workers: int) -> _RangeReader:
     return _FsspecReader(fs)
 
 
+def _busy_seconds() -> float | None:
+    """Seconds the calling thread has run or waited for a core (Linux schedstat); the rest of
+    its life it slept, here: on a socket. None where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            ran, runnable, _ = f.read().split()
+    except (OSError, ValueError):
+        return None
+    return (int(ran) + int(runnable)) / 1e9
+
+
 @dataclass
 class DownloadStats:
     files: int = 0
@@ -409,6 +423,7 @@ def download_files(fs: fsspec.AbstractFileSystem, files: list[RemoteFile], dst: 
         fd = job.fd()
         position = chunk_start
         started = time.perf_counter()
+        busy_at_start = _busy_seconds()
 
         def attempt() -> None:
             nonlocal position, end, tasks
@@ -433,13 +448,21 @@ def download_files(fs: fsspec.AbstractFileSystem, files: list[RemoteFile], dst: 
                     position += len(block)
                     progress.add_bytes(len(block))
                     if tasks is not None and position >= _PROBE_BYTES and end == remote.size:
-                        rate = position / (time.perf_counter() - started)
-                        if rate < FAST_STREAM_BPS:
+                        elapsed = time.perf_counter() - started
+                        rate = position / elapsed
+                        busy = _busy_seconds()
+                        waited = (1 - (busy - busy_at_start) / elapsed
+                                  if busy is not None and busy_at_start is not None else 1)
+                        if rate < FAST_STREAM_BPS and waited >= _WAITING_ON_NETWORK:
                             end = min(remote.size, max(position, part_size))
                             starts = list(range(end, remote.size, part_size))
                             job.split(starts)
                             for start in starts:
                                 tasks.submit(copy, job, start, min(start + part_size, remote.size))
+                        log.debug(f"{remote.rel}: first {position >> 20} MiB at {rate / 1e9:.2f} "
+                                  f"GB/s, waiting on the network {waited:.0%} of the time: " +
+                                  (f"the rest in {len(starts)} ranges" if end < remote.size
+                                   else "one stream"))
                         tasks = None  # decided
                     if position >= end and end < remote.size:
                         return
