@@ -17,7 +17,9 @@ single-PUT ETag's MD5 as the only checksum. References, in the same run:
 - single stream: boto3 ``get_object``, one object after another, streamed to disk in 1 MiB
   blocks (botocore's response checksum validation off: the fastest plain loop);
 - ``s3fs.get`` of the big object (fsspec's own single-file download).
-Methods are interleaved round by round (``--rounds``); best and median per method are printed.
+Methods are interleaved round by round (``--rounds``); best and median per method are printed,
+and the median CPU seconds of this (the client's) process: on a loaded machine wall times swing
+with the load, CPU per byte much less.
 The server is gofakes3 (Go, in memory), built into ``~/.cache/kuberl/bin`` if missing, like the
 delay line. Needs root for the namespace (``ip``, ``tc`` from iproute2).
 
@@ -234,19 +236,22 @@ def run_link(link: str, args) -> list[dict]:
                     methods["s3fs.get"] = s3fs_get
                 methods["kuberl stage"] = kuberl(workload)
                 seconds: dict[str, list[float]] = {m: [] for m in methods}
+                cpu: dict[str, list[float]] = {m: [] for m in methods}
                 nbytes = 0
                 for _ in range(args.rounds):  # interleaved: load swings hit every method
                     for method, fn in methods.items():
                         dst = Path(tempfile.mkdtemp(dir=work))
-                        start = time.perf_counter()
+                        start, cpu_start = time.perf_counter(), time.process_time()
                         nbytes = fn(dst)
                         seconds[method].append(time.perf_counter() - start)
+                        cpu[method].append(time.process_time() - cpu_start)
                         shutil.rmtree(dst)
                 for method, times in seconds.items():
                     rows.append({"link": link, "workload": workload, "method": method,
                                  "verified": ",".join(sorted(verified[workload]))
                                  if method == "kuberl stage" else "",
                                  "bytes": nbytes, "seconds": times,
+                                 "client_cpu_seconds": cpu[method],
                                  "best_gbps": nbytes / min(times) / 1e9,
                                  "median_gbps": nbytes / statistics.median(times) / 1e9})
         finally:
@@ -308,12 +313,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{load_after[0]:.1f} after; {args.rounds} interleaved rounds; RTT {args.rtt_ms} ms; "
           f"cap {args.cap_mbit} Mbit/s")
     print(f"{'link':<9} {'workload':<20} {'method':<14} {'best GB/s':>10} {'median':>8} "
-          f"verified")
+          f"{'CPU s':>6} verified")
     for r in rows:
         label = (f"1 x {args.big_mib} MiB" if r["workload"] == "big"
                  else f"{args.small_count} x {args.small_kib} KiB")
         print(f"{r['link']:<9} {label:<20} {r['method']:<14} {r['best_gbps']:>10.3f} "
-              f"{r['median_gbps']:>8.3f} {r['verified']}")
+              f"{r['median_gbps']:>8.3f} {statistics.median(r['client_cpu_seconds']):>6.2f} "
+              f"{r['verified']}")
     for h in headlines:
         print(f"{h['link']}/{h['workload']}: kuberl stage = {h['best_ratio']:.2f}x best, "
               f"{h['median_ratio']:.2f}x median, of {h['vs']} (goal >= {h['goal']})")
