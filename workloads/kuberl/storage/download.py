@@ -416,9 +416,10 @@ def download_files(fs: fsspec.AbstractFileSystem, files: list[RemoteFile], dst: 
                                f"(ETag {remote.etag}, now {etag}); rerun to fetch it again")
 
     def copy(job: _PartFile, chunk_start: int, end: int, tasks: _Tasks | None = None) -> None:
-        """Bytes [chunk_start, end) of the file. Chunk 0 (``tasks`` given) is the whole-object
-        GET: once ``_PROBE_BYTES`` have arrived, it goes on to the end if the stream is faster
-        than ``FAST_STREAM_BPS``, else it stops there and the rest is fetched as ranges."""
+        """Bytes [chunk_start, end) of the file. Chunk 0 (``tasks`` given: a file larger than
+        the probe) is the whole-object GET: once ``_PROBE_BYTES`` have arrived, it goes on to
+        the end unless the stream is slow and waiting on the network (see ``_PROBE_BYTES``),
+        then it stops at the end of its part and the rest is fetched as ranges."""
         remote = job.remote
         fd = job.fd()
         position = chunk_start
