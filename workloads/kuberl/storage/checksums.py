@@ -8,6 +8,10 @@
 - ``md5``: S3 single-part ETags, GCS ``md5Hash``; ~0.5-0.9 GB/s on one core, so only where
   nothing else exists.
 
+Besides the store's own, a checkpoint's ``COMPLETE`` lists the CRC32C kuberl computed from each
+local file at upload (``upload_dir``), which staging prefers: it checks the bytes end to end,
+also for multipart objects and local or pvc:// checkpoints, which carry no usable checksum.
+
 S3's CRC64NVME (its default for objects uploaded without a checksum) needs awscrt, which this
 environment lacks: such objects are verified by their MD5 ETag where they have one, else by size.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 import zlib
 from dataclasses import dataclass
 
@@ -29,6 +34,7 @@ PREFERENCE = ("crc32c", "crc32", "md5")
 class Checksum:
     algorithm: str   # one of PREFERENCE
     expected: str    # as the store writes it: base64 of the big-endian CRC, hex for MD5
+    vouched_by: str = "the store"  # who gave ``expected``, for error messages
 
 
 class Hasher:
@@ -56,6 +62,20 @@ class Hasher:
         if self.algorithm == "crc32c":
             return base64.b64encode(self._state.digest()).decode()
         return self._state.hexdigest()
+
+
+def crc32c_of_bytes(data: bytes) -> str:
+    """The CRC32C of ``data``, written like ``Checksum.expected``."""
+    return base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
+
+
+def crc32c_of_file(path: str | os.PathLike, block: int = 8 << 20) -> str:
+    """The CRC32C of a local file, written like ``Checksum.expected``."""
+    hasher = Hasher("crc32c")
+    with open(path, "rb") as f:
+        while data := f.read(block):
+            hasher.update(data)
+    return hasher.value()
 
 
 def best(*candidates: Checksum | None) -> Checksum | None:

@@ -396,7 +396,7 @@ def download_files(fs: fsspec.AbstractFileSystem, files: list[RemoteFile], dst: 
                 hint = (" (Objects encrypted with SSE-KMS/SSE-C have ETags that are not MD5s: "
                         "stage them with --checksum size)" if name == "MD5" else "")
                 raise StorageError(
-                    f"{uri}: {remote.rel}: {name} mismatch: the store says "
+                    f"{uri}: {remote.rel}: {name} mismatch: {job.checksum.vouched_by} says "
                     f"{job.checksum.expected}, the data hashes to {got}; the object is corrupt "
                     f"or changed during the download; rerun to fetch it again{hint}")
             checksum = job.checksum.algorithm
