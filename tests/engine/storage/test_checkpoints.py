@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from kuberl.storage import (commit_checkpoint, latest_checkpoint, prune_checkpoints, stage,
-                            upload_dir)
+from kuberl.storage import (StorageError, commit_checkpoint, latest_checkpoint, prune_checkpoints,
+                            stage, upload_dir)
 
 
 @pytest.fixture(params=["s3", "gs", "local"])
@@ -93,3 +93,20 @@ def test_stage_checkpoint_takes_the_newest_complete_or_nothing(root, tmp_path, c
     assert json.loads((tmp_path / "named" / "trainer_state.json").read_text()) == {"step": 10}
     assert stage_main(["--checkpoint", f"{uri}/step-000000030", str(tmp_path / "torn")]) == 1
     assert "no COMPLETE marker" in capsys.readouterr().err
+
+
+def test_staged_checkpoint_is_checked_against_the_crc32c_kuberl_recorded(root, tmp_path):
+    uri, fs, path = root
+    step = commit_checkpoint(make_local(tmp_path, 10), uri, 10)
+    manifest = json.loads(fs.cat_file(f"{path}/step-000000010/COMPLETE"))
+    assert all(f["crc32c"] for f in manifest["files"])
+    stage(step, tmp_path / "good")
+    staged = json.loads((tmp_path / "good" / ".complete").read_text())["files"]
+    assert {f["path"]: f["checksum"] for f in staged}["model/weights.pt"] == "crc32c"
+    # Same size, other bytes, after the commit (bit rot on a volume, an overwrite in a bucket):
+    # the store's own identity and checksum follow the new bytes; the recorded CRC32C does not.
+    fs.pipe_file(f"{path}/step-000000010/model/weights.pt", b"x" * 110)
+    with pytest.raises(StorageError, match=r"model/weights.pt: CRC32C mismatch: its COMPLETE "
+                                           r"\(recorded at upload\) says \S+, the data hashes to"):
+        stage(step, tmp_path / "bad")
+    assert not (tmp_path / "bad" / "model" / "weights.pt").exists()

@@ -9,7 +9,7 @@ import pytest
 from kuberl.storage import StorageError, stage
 
 
-def test_nested_prefixes_empty_files_and_md5(gcs, tmp_path):
+def test_nested_prefixes_empty_files_and_crc32c(gcs, tmp_path):
     fs, bucket = gcs
     objects = {"config.json": b'{"a": 1}', "w/deep/shard.bin": bytes(range(256)) * 400,
                "w/empty.bin": b""}
@@ -20,8 +20,8 @@ def test_nested_prefixes_empty_files_and_md5(gcs, tmp_path):
     for key, data in objects.items():
         assert (tmp_path / key).read_bytes() == data
     files = {f["path"]: f for f in json.loads((tmp_path / ".complete").read_text())["files"]}
-    # gcs gives md5Hash: the ranged download (shard.bin is 11 ranges) was hashed and checked.
-    assert files["w/deep/shard.bin"]["checksum"] == "md5"
+    # gcs gives every object's crc32c: it is checked (rather than md5Hash) for each file.
+    assert {f["checksum"] for f in files.values()} == {"crc32c"}
     assert stage(f"gs://{bucket}/models/tiny", tmp_path).skipped_files == 3
 
 

@@ -1,5 +1,6 @@
 """kuberl stage against moto's S3 server on loopback, through the real s3fs code."""
 
+import base64
 import hashlib
 import io
 import json
@@ -11,11 +12,12 @@ import tarfile
 import time
 from pathlib import Path
 
+import google_crc32c
 import pytest
 
 from kuberl.api.uri import parse
 from kuberl.cli.stage import main as stage_main
-from kuberl.storage import StorageError, stage
+from kuberl.storage import StorageError, download, stage
 from kuberl.storage.download import download_files, list_source
 from kuberl.storage.filesystems import filesystem
 from kuberl.storage.progress import Progress
@@ -64,38 +66,73 @@ def test_one_gib_file_in_parallel_ranges(s3, tmp_path):
     assert digest(got) == digest(src)
 
 
-def test_object_changed_after_listing_is_a_size_mismatch(s3, tmp_path):
+def test_object_changed_after_listing_is_refused(s3, tmp_path):
     fs, bucket = s3
     fs.pipe_file(f"{bucket}/m/a.bin", b"a" * 100)
-    fs.pipe_file(f"{bucket}/m/big.bin", b"b" * 5000)
+    fs.pipe_file(f"{bucket}/m/b.bin", b"b" * 100)
     uri = f"s3://{bucket}/m"
     parsed = parse(uri)
     s3fs_ = filesystem(parsed)
     files = list_source(s3fs_, parsed, f"{bucket}/m", uri)
-    # The store now serves different bytes than the listing promised (truncated upload,
-    # overwritten object): both the whole-file and the ranged path must notice.
+    # The store now serves other bytes than the listing named (an overwritten object, same
+    # size or not): the response's ETag differs from the listing's, whatever checksum the new
+    # object carries for itself.
     fs.pipe_file(f"{bucket}/m/a.bin", b"a" * 99)
-    fs.pipe_file(f"{bucket}/m/big.bin", b"b" * 5001)
+    fs.pipe_file(f"{bucket}/m/b.bin", b"c" * 100)
     for remote in files:
-        with pytest.raises(StorageError, match=f"{remote.rel}: size mismatch"):
+        with pytest.raises(StorageError, match=f"{remote.rel}: the object changed since it was "
+                                               f"listed"):
             download_files(s3fs_, [remote], tmp_path, uri, workers=4, part_size=1024,
-                           verify_md5=True, attempts=1, progress=Progress("t", 0, 0),
+                           verify=True, attempts=1, progress=Progress("t", 0, 0),
                            on_verified=lambda r: None)
         assert not (tmp_path / remote.rel).exists()
 
 
-def test_same_size_different_content_is_an_md5_mismatch(s3, tmp_path):
+def put_with_crc32c(bucket: str, key: str, data: bytes, crc32c: str | None = None) -> None:
+    """PUT ``data`` storing ``crc32c`` (default: its true CRC32C) as the object's checksum.
+    moto keeps a given checksum without checking it (real S3 would refuse a wrong one at
+    upload), which stands in here for an object whose bytes went bad after it was stored."""
+    import boto3
+
+    value = crc32c or base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
+    boto3.client("s3").put_object(Bucket=bucket, Key=key, Body=data, ChecksumAlgorithm="CRC32C",
+                                  ChecksumCRC32C=value)
+
+
+@pytest.mark.parametrize("stream", ["one stream", "ranges"])
+def test_crc32c_object_is_verified_with_crc32c(s3, tmp_path, monkeypatch, stream):
     fs, bucket = s3
-    fs.pipe_file(f"{bucket}/m/a.bin", b"a" * 100)
-    uri = f"s3://{bucket}/m"
-    parsed = parse(uri)
-    s3fs_ = filesystem(parsed)
-    files = list_source(s3fs_, parsed, f"{bucket}/m", uri)
-    fs.pipe_file(f"{bucket}/m/a.bin", b"c" * 100)
-    with pytest.raises(StorageError, match="MD5 mismatch"):
-        download_files(s3fs_, files, tmp_path, uri, workers=2, part_size=1 << 20,
-                       verify_md5=True, attempts=1, progress=Progress("t", 0, 0),
-                       on_verified=lambda r: None)
+    data = os.urandom(1 << 20)
+    put_with_crc32c(bucket, "c/model.bin", data)
+    fs.pipe_file(f"{bucket}/c/config.json", b"{}")  # the SDK's default: CRC32
+    # After its first 256 KiB the first GET goes on alone, or leaves the rest to 6 ranges.
+    monkeypatch.setattr(download, "_PROBE_BYTES", 256 << 10)
+    if stream == "ranges":  # as if the stream were slow and waiting on the network
+        monkeypatch.setattr(download, "FAST_STREAM_BPS", float("inf"))
+        monkeypatch.setattr(download, "_WAITING_ON_NETWORK", float("-inf"))
+    else:
+        monkeypatch.setattr(download, "FAST_STREAM_BPS", 0)
+    stage(f"s3://{bucket}/c", tmp_path, part_size=128 << 10, workers=4)
+    assert (tmp_path / "model.bin").read_bytes() == data
+    manifest = json.loads((tmp_path / ".complete").read_text())
+    assert {f["path"]: f["checksum"] for f in manifest["files"]} == {"model.bin": "crc32c",
+                                                                     "config.json": "crc32"}
+
+
+@pytest.mark.parametrize("size", [1000, 1 << 20])
+def test_object_not_matching_its_crc32c_fails_naming_both(s3, tmp_path, monkeypatch, size):
+    fs, bucket = s3
+    put_with_crc32c(bucket, "bad/model.bin", os.urandom(size), crc32c="AAAAAA==")
+    monkeypatch.setattr(download, "_PROBE_BYTES", 256 << 10)
+    # The large one in ranges: as if the stream were slow and waiting on the network.
+    monkeypatch.setattr(download, "FAST_STREAM_BPS", float("inf"))
+    monkeypatch.setattr(download, "_WAITING_ON_NETWORK", float("-inf"))
+    uri = f"s3://{bucket}/bad"
+    with pytest.raises(StorageError, match=rf"{uri}: model.bin: CRC32C mismatch: the store says "
+                                           rf"AAAAAA==, the data hashes to \S+==; the object is "
+                                           rf"corrupt .*; rerun"):
+        stage(uri, tmp_path, part_size=128 << 10)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".kuberl-stage.journal"]
 
 
 def test_local_copy_corrupted_after_complete_is_fetched_again(s3, tmp_path):

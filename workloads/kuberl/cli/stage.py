@@ -39,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bytes per ranged request for large files (default 8MiB); each "
                              "range streams in 1 MiB blocks, so memory stays near workers x 1MiB")
     parser.add_argument("--checksum", choices=("auto", "size"), default="auto",
-                        help="auto: verify MD5 where the store gives one, and sizes; size: sizes "
-                             "only (for SSE-KMS/SSE-C objects, whose ETags are not MD5s)")
+                        help="auto: verify sizes and the fastest checksum the store gives "
+                             "(CRC32C, CRC32, else the ETag's MD5); size: sizes only (for "
+                             "SSE-KMS/SSE-C objects, whose ETags are not MD5s)")
     parser.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                         help="skip files whose relative path matches GLOB (repeatable)")
     parser.add_argument("--checkpoint", action="store_true",

@@ -25,6 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kuberl.storage import filesystems
+from kuberl.storage.checksums import crc32c_of_bytes
 from kuberl.storage.errors import StorageError, with_retries
 from kuberl.storage.upload import upload_dir
 from kuberl.api.uri import ParsedURI, parse
@@ -159,7 +160,8 @@ def commit_records(root_uri: str, step: int, files: list[dict], extra: dict[str,
         fs.makedirs(f"{root}/{name}", exist_ok=True)
     for rel, data in (extra or {}).items():
         _write_small(fs, parsed, f"{root}/{name}/{rel}", data, uri)
-        files.append({"path": rel, "size": len(data), "etag": None, "checksum": "size"})
+        files.append({"path": rel, "size": len(data), "etag": None, "checksum": "size",
+                      "crc32c": crc32c_of_bytes(data)})
     manifest = {
         "step": step,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

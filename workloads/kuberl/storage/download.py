@@ -1,12 +1,17 @@
 """The parallel, verified, resumable download engine behind ``kuberl stage``.
 
-Work is split into byte ranges of at most ``part_size``: a small file is one range, a large one
-many. At most ``workers`` ranges are in flight at once, each streamed in ``STREAM_BLOCK``-sized
+At most ``workers`` requests are in flight at once, each streamed in ``STREAM_BLOCK``-sized
 blocks written with ``os.pwrite`` straight into a preallocated temporary sibling
 (``.<name>.kuberl-part``), so memory stays near ``workers * STREAM_BLOCK`` whatever the part size.
 A transient failure mid-range retries from the first byte not yet written. A file is renamed
-into place only after its size (and MD5 where the store gives one) is verified, then recorded in
-the journal, so a rerun after a kill re-downloads nothing that was already verified.
+into place only after its size (and the fastest checksum the store gives: ``checksums``) is
+verified, then recorded in the journal, so a rerun after a kill re-downloads nothing that was
+already verified.
+
+A file's first request is a GET of the whole object (which is also how S3 hands out the object's
+stored CRC); a large file stays one stream if that stream is fast (a store on loopback or the
+same node, where more connections only add copying threads competing for the cores), else the
+rest of it is fetched as parallel ranges of ``part_size``.
 
 S3 ranges go through botocore's own (synchronous, urllib3) client in the worker threads, as
 s3transfer and the AWS CLI do: s3fs funnels every byte of every concurrent request through one
@@ -17,19 +22,20 @@ request at a time.
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures as cf
 import fnmatch
-import functools
-import hashlib
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
 
-from kuberl.storage import filesystems
+from kuberl.storage import checksums, filesystems
+from kuberl.storage.checksums import Checksum, Hasher
 from kuberl.storage.errors import StorageError, explain, with_retries
 from kuberl.storage.manifest import FileRecord
 from kuberl.storage.progress import Progress, log
@@ -40,6 +46,17 @@ _HASH_BLOCK = 8 << 20
 # What one worker holds in memory at a time: one streamed block of a range.
 STREAM_BLOCK = 1 << 20
 _FSSPEC_BLOCK = 8 << 20
+# A large file's first GET asks for the whole object; once this many bytes have arrived, the
+# stream goes on alone to the end unless it is slower than FAST_STREAM_BPS and its thread spent
+# at least _WAITING_ON_NETWORK of the time asleep on the socket: then the rest is fetched as
+# parallel ranges. Ranges pay where one connection is slower than the client can copy (S3
+# serves ~100 MB/s per connection; a 20 ms RTT link gave 0.19 GB/s here). A faster stream means
+# a near store (loopback, the same node), and a thread that ran or waited for a core most of
+# the time is held back by the CPU, not the link: more copying threads would only share the
+# cores (on 2 loaded cores one stream moved 1 GiB with 0.6 s of CPU, 124 ranges with 1.7).
+_PROBE_BYTES = 32 << 20
+FAST_STREAM_BPS = 400e6
+_WAITING_ON_NETWORK = 0.5
 
 
 @dataclass(frozen=True)
@@ -48,7 +65,7 @@ class RemoteFile:
     rel: str            # its checked '/'-separated path below the destination
     size: int
     etag: str | None    # identity of the content: S3 ETag, GCS generation, local mtime
-    md5: str | None     # hex MD5 the store vouches for, when it gives one
+    checksum: Checksum | None  # what the listing vouches for (S3 ETag MD5, GCS CRC32C), if any
 
 
 def list_source(fs: fsspec.AbstractFileSystem, parsed: ParsedURI, root: str, uri: str, *,
@@ -85,8 +102,8 @@ def list_source(fs: fsspec.AbstractFileSystem, parsed: ParsedURI, root: str, uri
         rel = checked_relpath(rel, uri)
         if any(fnmatch.fnmatch(rel, pattern) for pattern in exclude):
             continue
-        etag, md5 = identity(info)
-        files.append(RemoteFile(key, rel, int(info["size"]), etag, md5))
+        etag, checksum = identity(info)
+        files.append(RemoteFile(key, rel, int(info["size"]), etag, checksum))
     if not files:
         if parsed.is_cloud and not _bucket_exists(fs, parsed, uri, attempts):
             raise StorageError(f"{uri}: bucket {parsed.bucket!r} does not exist (or these "
@@ -101,28 +118,31 @@ def _bucket_exists(fs: fsspec.AbstractFileSystem, parsed: ParsedURI, uri: str,
 
 
 class _PartFile:
-    """One file being downloaded in byte ranges; thread-safe.
+    """One file being downloaded in chunks (contiguous byte ranges); thread-safe.
 
-    The MD5 follows the written prefix of the file as blocks land (each range streams in order,
-    so every chunk's written bytes are a prefix of that chunk): whichever worker finds the hash
-    idle feeds it the bytes from the hashed position up to the end of what its chunk has
-    written, from the block in hand when it is exactly next, else read back from the page
-    cache. Hashing thus overlaps the download instead of starting after it.
+    Chunk 0 starts at byte 0 with the whole-object GET; the chunks after it exist only once
+    ``split`` has cut the rest of the file into ranges. The checksum follows the written prefix
+    of the file as blocks land (each chunk streams in order, so every chunk's written bytes are
+    a prefix of that chunk): whichever worker finds the hash idle feeds it the bytes from the
+    hashed position up to the end of what its chunk has written, from the block in hand when it
+    is exactly next, else read back from the page cache. With one stream that is always the
+    block in hand, in the stream's own thread; hashing overlaps the download either way.
     """
 
-    def __init__(self, remote: RemoteFile, target: Path, part_size: int, want_md5: bool):
+    def __init__(self, remote: RemoteFile, target: Path, verify: bool):
         self.remote = remote
         self.target = target
         self.part = target.with_name(f".{target.name}{PART_SUFFIX}")
-        self.part_size = part_size
-        self.n_chunks = -(-remote.size // part_size)
+        self.verify = verify
+        self.checksum: Checksum | None = None  # what the hash is checked against, once chosen
         self._lock = threading.Lock()
         self._fd: int | None = None
-        self._remaining = self.n_chunks
-        self._hasher = hashlib.md5(usedforsecurity=False) if want_md5 else None
+        self._starts = [0]                  # first byte of each chunk, ascending
+        self._remaining = 1
+        self._hasher: Hasher | None = None
         self._hash_lock = threading.Lock()
         self._hashed = 0                    # bytes [0, _hashed) are in the hash
-        self._written_to: dict[int, int] = {}  # chunk index -> end of its written prefix
+        self._written_to: dict[int, int] = {}  # chunk start -> end of its written prefix
 
     def fd(self) -> int:
         with self._lock:
@@ -132,10 +152,25 @@ class _PartFile:
                 os.ftruncate(self._fd, self.remote.size)
             return self._fd
 
-    def block_written(self, index: int, start: int, block: bytes) -> None:
-        """Record that chunk ``index`` now holds its bytes up to ``start + len(block)``."""
+    def choose_checksum(self, offered: Checksum | None) -> None:
+        """Pick the fastest of the listing's checksum and the one the first response
+        ``offered``; called by chunk 0 before its first block, so before any byte is hashed."""
+        if self.verify and self._hasher is None:
+            self.checksum = checksums.best(self.remote.checksum, offered)
+            if self.checksum is not None:
+                self._hasher = Hasher(self.checksum.algorithm)
+
+    def split(self, starts: list[int]) -> None:
+        """Add chunks beginning at ``starts`` (after chunk 0's end, ascending)."""
         with self._lock:
-            self._written_to[index] = start + len(block)
+            self._starts.extend(starts)
+            self._remaining += len(starts)
+
+    def block_written(self, chunk_start: int, start: int, block: bytes) -> None:
+        """Record that the chunk at ``chunk_start`` now holds its bytes up to
+        ``start + len(block)``."""
+        with self._lock:
+            self._written_to[chunk_start] = start + len(block)
         if self._hasher is not None and self._hash_lock.acquire(blocking=False):
             try:
                 self._hash_written(start, block)
@@ -150,11 +185,12 @@ class _PartFile:
 
     def _hash_written(self, start: int = -1, block: bytes = b"") -> None:
         # Called with _hash_lock held. Loops until the chunk at the hashed position has nothing
-        # new; a block landing meanwhile in another thread is picked up by the final md5().
+        # new; a block landing meanwhile in another thread is picked up by the final digest().
         while True:
             with self._lock:
                 position = self._hashed
-                available = self._written_to.get(position // self.part_size, 0)
+                chunk = self._starts[bisect.bisect_right(self._starts, position) - 1]
+                available = self._written_to.get(chunk, 0)
             if available <= position:
                 return
             if start == position and start + len(block) <= available:
@@ -167,13 +203,14 @@ class _PartFile:
             with self._lock:
                 self._hashed = position
 
-    def md5(self) -> str | None:
-        """The MD5 of the whole file (call once every chunk is written)."""
+    def digest(self) -> str | None:
+        """The checksum of the whole file (call once every chunk is written), written like
+        ``self.checksum.expected``; None when nothing is verified beyond the size."""
         if self._hasher is None:
             return None
         with self._hash_lock:
             self._hash_written()
-            return self._hasher.hexdigest()
+            return self._hasher.value()
 
     def close(self) -> int:
         with self._lock:
@@ -191,16 +228,25 @@ class _PartFile:
                 self.part.unlink(missing_ok=True)
 
 
+@dataclass
+class _Response:
+    blocks: Iterator[bytes]
+    etag: str | None = None          # the store's ETag of what it serves, where it sends one
+    checksum: Checksum | None = None  # a whole-object checksum the response carries
+    close: Callable[[], None] = lambda: None
+
+
 class _RangeReader:
     """Streams bytes ``[start, end)`` of an object as blocks; ``end`` may pass the object's end
-    (the response then stops at the object's last byte)."""
+    (the response then stops at the object's last byte). ``whole``: the request is for the
+    whole object (start 0), so it goes without a Range and may carry the object's checksum."""
 
-    def blocks(self, key: str, start: int, end: int) -> Iterator[bytes]:
+    def open(self, key: str, start: int, end: int, whole: bool) -> _Response:
         raise NotImplementedError
 
 
 class _BotocoreReader(_RangeReader):
-    """Ranged GETs with a synchronous botocore client configured exactly like the s3fs one
+    """GETs with a synchronous botocore client configured exactly like the s3fs one
     (endpoint, credentials, config), shared by the worker threads (botocore clients are
     thread-safe; one pooled connection per worker)."""
 
@@ -209,8 +255,9 @@ class _BotocoreReader(_RangeReader):
         from botocore import UNSIGNED
         from botocore.config import Config
 
-        # Stores that send a whole-object checksum with a ranged response (some S3 emulators)
-        # would fail botocore's response validation; sizes and MD5 are verified here instead.
+        # Checksums are verified here, over the whole file, whatever ranges it arrives in;
+        # botocore's own response validation would run a second hash (and fails on stores
+        # that send a whole-object checksum with a ranged response, as some emulators do).
         config = {"response_checksum_validation": "when_required", **fs.config_kwargs,
                   "max_pool_connections": workers}
         kwargs = {"endpoint_url": fs.endpoint_url, "aws_access_key_id": fs.key,
@@ -223,25 +270,24 @@ class _BotocoreReader(_RangeReader):
         # process's one data loader: parsing botocore's S3 model and endpoint rules costs about
         # 0.15 s of CPU, paid once per process instead of once per stage() call.
         session = botocore.session.get_session()
-        session.register_component("data_loader", _botocore_loader())
+        session.register_component("data_loader", filesystems.botocore_loader())
         self._client = session.create_client("s3", config=Config(**config),
                                              **{**kwargs, **fs.client_kwargs})
+        # S3 returns an object's stored checksum only when asked; asking through the
+        # ChecksumMode parameter would also make botocore validate it itself.
+        self._client.meta.events.register("before-sign.s3.GetObject", _ask_for_checksum)
 
-    def blocks(self, key: str, start: int, end: int) -> Iterator[bytes]:
+    def open(self, key: str, start: int, end: int, whole: bool) -> _Response:
         bucket, _, name = key.partition("/")
-        body = self._client.get_object(Bucket=bucket, Key=name,
-                                       Range=f"bytes={start}-{end - 1}")["Body"]
-        try:
-            yield from body.iter_chunks(STREAM_BLOCK)
-        finally:
-            body.close()
+        ranged = {} if whole else {"Range": f"bytes={start}-{end - 1}"}
+        response = self._client.get_object(Bucket=bucket, Key=name, **ranged)
+        body = response["Body"]
+        return _Response(body.iter_chunks(STREAM_BLOCK), response.get("ETag", "").strip('"'),
+                         checksums.from_s3_response(response) if whole else None, body.close)
 
 
-@functools.cache
-def _botocore_loader():
-    import botocore.loaders
-
-    return botocore.loaders.create_loader()
+def _ask_for_checksum(request, **_) -> None:
+    request.headers["x-amz-checksum-mode"] = "ENABLED"
 
 
 class _FsspecReader(_RangeReader):
@@ -250,7 +296,10 @@ class _FsspecReader(_RangeReader):
     def __init__(self, fs: fsspec.AbstractFileSystem):
         self._fs = fs
 
-    def blocks(self, key: str, start: int, end: int) -> Iterator[bytes]:
+    def open(self, key: str, start: int, end: int, whole: bool) -> _Response:
+        return _Response(self._blocks(key, start, end))
+
+    def _blocks(self, key: str, start: int, end: int) -> Iterator[bytes]:
         for offset in range(start, end, _FSSPEC_BLOCK):
             block = self._fs.cat_file(key, start=offset, end=min(offset + _FSSPEC_BLOCK, end))
             yield block
@@ -266,16 +315,65 @@ def range_reader(fs: fsspec.AbstractFileSystem, workers: int) -> _RangeReader:
     return _FsspecReader(fs)
 
 
+def _busy_seconds() -> float | None:
+    """Seconds the calling thread has run or waited for a core (Linux schedstat); the rest of
+    its life it slept, here: on a socket. None where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            ran, runnable, _ = f.read().split()
+    except (OSError, ValueError):
+        return None
+    return (int(ran) + int(runnable)) / 1e9
+
+
 @dataclass
 class DownloadStats:
     files: int = 0
     bytes: int = 0
 
 
+class _Tasks:
+    """The worker pool and the futures of everything submitted to it, including tasks that
+    running tasks add (the ranges of a file whose first stream turned out slow)."""
+
+    def __init__(self, pool: cf.ThreadPoolExecutor):
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._futures: list[cf.Future] = []
+        self._stopped = False
+
+    def submit(self, fn: Callable, *args) -> None:
+        with self._lock:
+            if not self._stopped:
+                self._futures.append(self._pool.submit(fn, *args))
+
+    def wait(self) -> BaseException | None:
+        """Wait until every task is done, or one failed: then cancel the rest and return its
+        exception."""
+        while True:
+            with self._lock:
+                current = list(self._futures)
+            done, pending = cf.wait(current, return_when=cf.FIRST_EXCEPTION)
+            failed = [f for f in done if f.exception() is not None]
+            if failed:
+                with self._lock:
+                    self._stopped = True
+                    pending = [f for f in self._futures if not f.done()]
+                for f in pending:
+                    f.cancel()
+                cf.wait(pending)
+                return failed[0].exception()
+            with self._lock:
+                if len(self._futures) == len(current):
+                    return None
+
+
 def download_files(fs: fsspec.AbstractFileSystem, files: list[RemoteFile], dst: Path, uri: str, *,
-                   workers: int, part_size: int, verify_md5: bool, attempts: int,
+                   workers: int, part_size: int, verify: bool, attempts: int,
                    progress: Progress, on_verified: Callable[[FileRecord], None]) -> DownloadStats:
-    """Download ``files`` into ``dst`` in parallel; each verified file goes to ``on_verified``."""
+    """Download ``files`` into ``dst`` in parallel; each verified file goes to ``on_verified``.
+    ``verify``: check the fastest checksum the store gives for each file (checksums.PREFERENCE),
+    besides its size."""
     stats = DownloadStats()
     stats_lock = threading.Lock()
     reader = range_reader(fs, workers) if files else None
@@ -284,22 +382,25 @@ def download_files(fs: fsspec.AbstractFileSystem, files: list[RemoteFile], dst: 
         return StorageError(f"{uri}: {remote.rel}: size mismatch: {detail}; the object is corrupt "
                             f"or changed during the download; rerun to fetch it again")
 
-    def finish(remote: RemoteFile, part: Path, target: Path, got_size: int, got_md5: str | None):
+    def finish(job: _PartFile, got_size: int, got: str | None):
+        remote = job.remote
         if got_size != remote.size:
-            part.unlink(missing_ok=True)
+            job.part.unlink(missing_ok=True)
             raise size_mismatch(remote, f"the listing says {remote.size} bytes but {got_size} "
                                         f"arrived")
         checksum = "size"
-        if remote.md5 is not None and got_md5 is not None:
-            if got_md5 != remote.md5:
-                part.unlink(missing_ok=True)
+        if got is not None:
+            name = job.checksum.algorithm.upper()
+            if got != job.checksum.expected:
+                job.part.unlink(missing_ok=True)
+                hint = (" (Objects encrypted with SSE-KMS/SSE-C have ETags that are not MD5s: "
+                        "stage them with --checksum size)" if name == "MD5" else "")
                 raise StorageError(
-                    f"{uri}: {remote.rel}: MD5 mismatch: the store says {remote.md5}, the data "
-                    f"hashes to {got_md5}; the object is corrupt or changed during the download. "
-                    f"(Objects encrypted with SSE-KMS/SSE-C have ETags that are not MD5s: stage "
-                    f"them with --checksum size)")
-            checksum = "md5"
-        os.replace(part, target)
+                    f"{uri}: {remote.rel}: {name} mismatch: {job.checksum.vouched_by} says "
+                    f"{job.checksum.expected}, the data hashes to {got}; the object is corrupt "
+                    f"or changed during the download; rerun to fetch it again{hint}")
+            checksum = job.checksum.algorithm
+        os.replace(job.part, job.target)
         record = FileRecord(remote.rel, remote.size, remote.etag, checksum)
         on_verified(record)
         progress.add_file()
@@ -307,46 +408,84 @@ def download_files(fs: fsspec.AbstractFileSystem, files: list[RemoteFile], dst: 
             stats.files += 1
             stats.bytes += remote.size
 
-    def copy_range(job: _PartFile, index: int) -> None:
+    def changed(remote: RemoteFile, etag: str | None) -> None:
+        # Every response must serve the content the listing named: a checksum sent with the
+        # response would vouch for a replaced object as readily as for the listed one.
+        if etag and remote.etag and etag != remote.etag:
+            raise StorageError(f"{uri}: {remote.rel}: the object changed since it was listed "
+                               f"(ETag {remote.etag}, now {etag}); rerun to fetch it again")
+
+    def copy(job: _PartFile, chunk_start: int, end: int, tasks: _Tasks | None = None) -> None:
+        """Bytes [chunk_start, end) of the file. Chunk 0 (``tasks`` given: a file larger than
+        the probe) is the whole-object GET: once ``_PROBE_BYTES`` have arrived, it goes on to
+        the end unless the stream is slow and waiting on the network (see ``_PROBE_BYTES``),
+        then it stops at the end of its part and the rest is fetched as ranges."""
         remote = job.remote
-        start = index * part_size
-        end = min(start + part_size, remote.size)
-        # The last range asks for one byte more than the listing promises, so an object that
-        # grew since the listing arrives one byte long and is caught as a size mismatch.
-        ask_end = end + 1 if end == remote.size else end
         fd = job.fd()
-        position = start
+        position = chunk_start
+        started = time.perf_counter()
+        busy_at_start = _busy_seconds()
 
         def attempt() -> None:
-            nonlocal position
+            nonlocal position, end, tasks
             if position == end:
                 return  # every promised byte arrived before the connection failed
-            for block in reader.blocks(remote.key, position, ask_end):
-                if position + len(block) > end:
-                    raise size_mismatch(remote, f"the listing says {remote.size} bytes but more "
-                                                f"arrived")
-                os.pwrite(fd, block, position)
-                job.block_written(index, position, block)
-                position += len(block)
-                progress.add_bytes(len(block))
+            # The request reaching the object's end asks for one byte more than the listing
+            # promises, so an object that grew since the listing is caught as a size mismatch.
+            response = reader.open(remote.key, position, remote.size + 1 if end == remote.size
+                                   else end, whole=position == 0)
+            try:
+                changed(remote, response.etag)
+                if position == 0:
+                    job.choose_checksum(response.checksum)
+                for block in response.blocks:
+                    if position + len(block) > remote.size:
+                        raise size_mismatch(remote, f"the listing says {remote.size} bytes but "
+                                                    f"more arrived")
+                    if position + len(block) > end:
+                        block = block[:end - position]  # chunk 0, stopping at its probe
+                    os.pwrite(fd, block, position)
+                    job.block_written(chunk_start, position, block)
+                    position += len(block)
+                    progress.add_bytes(len(block))
+                    if tasks is not None and position >= _PROBE_BYTES and end == remote.size:
+                        elapsed = time.perf_counter() - started
+                        rate = position / elapsed
+                        busy = _busy_seconds()
+                        waited = (1 - (busy - busy_at_start) / elapsed
+                                  if busy is not None and busy_at_start is not None else 1)
+                        if rate < FAST_STREAM_BPS and waited >= _WAITING_ON_NETWORK:
+                            end = min(remote.size, max(position, part_size))
+                            starts = list(range(end, remote.size, part_size))
+                            job.split(starts)
+                            for start in starts:
+                                tasks.submit(copy, job, start, min(start + part_size, remote.size))
+                        log.debug(f"{remote.rel}: first {position >> 20} MiB at {rate / 1e9:.2f} "
+                                  f"GB/s, waiting on the network {waited:.0%} of the time: " +
+                                  (f"the rest in {len(starts)} ranges" if end < remote.size
+                                   else "one stream"))
+                        tasks = None  # decided
+                    if position >= end and end < remote.size:
+                        return
+            finally:
+                response.close()
 
         # A retry resumes at ``position``: bytes already written are not fetched again, and
         # the chunk's written bytes stay a prefix of it, as the hash expects.
         with_retries(attempt, uri=f"{uri} ({remote.rel})", attempts=attempts, log=log.warning)
         if position != end:
-            raise size_mismatch(remote, f"bytes {start}-{end} of a {remote.size}-byte object "
-                                        f"returned {position - start} bytes")
+            raise size_mismatch(remote, f"bytes {chunk_start}-{end} of a {remote.size}-byte "
+                                        f"object returned {position - chunk_start} bytes")
         if job.chunk_done():
-            got_md5 = job.md5()
-            finish(remote, job.part, job.target, job.close(), got_md5)
+            got = job.digest()
+            finish(job, job.close(), got)
 
     def empty_file(remote: RemoteFile) -> None:
         # An empty object needs no request: the listing already says it has no bytes.
-        target = checked_target(remote)
-        part = target.with_name(f".{target.name}{PART_SUFFIX}")
-        os.close(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644))
-        want = verify_md5 and remote.md5 is not None
-        finish(remote, part, target, 0, hashlib.md5(b"").hexdigest() if want else None)
+        job = _PartFile(remote, checked_target(remote), verify)
+        os.close(os.open(job.part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644))
+        job.choose_checksum(None)
+        finish(job, 0, job.digest())
 
     checked_dirs: dict[str, Path] = {}
 
@@ -359,28 +498,23 @@ def download_files(fs: fsspec.AbstractFileSystem, files: list[RemoteFile], dst: 
             checked_dirs[parent_rel] = target_path(dst, remote.rel, uri).parent
         return checked_dirs[parent_rel] / name
 
-    tasks: list[tuple[Callable, tuple]] = []
     jobs: list[_PartFile] = []
-    # Largest first: the long ranged downloads start at once and small files fill the gaps.
-    for remote in sorted(files, key=lambda f: f.size, reverse=True):
-        if remote.size == 0:
-            tasks.append((empty_file, (remote,)))
-            continue
-        job = _PartFile(remote, checked_target(remote), part_size,
-                        verify_md5 and remote.md5 is not None)
-        jobs.append(job)
-        tasks.extend((copy_range, (job, i)) for i in range(job.n_chunks))
-
     try:
         with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kuberl-stage") as pool:
-            futures = [pool.submit(fn, *args) for fn, args in tasks]
-            done, pending = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
-            failed = [f for f in done if f.exception() is not None]
-            if failed:
-                for f in pending:
-                    f.cancel()
-                cf.wait(pending)
-                exc = failed[0].exception()
+            tasks = _Tasks(pool)
+            # Largest first: the long downloads start at once and small files fill the gaps.
+            for remote in sorted(files, key=lambda f: f.size, reverse=True):
+                if remote.size == 0:
+                    tasks.submit(empty_file, remote)
+                    continue
+                job = _PartFile(remote, checked_target(remote), verify)
+                jobs.append(job)
+                if remote.size > max(part_size, _PROBE_BYTES):
+                    tasks.submit(copy, job, 0, remote.size, tasks)
+                else:
+                    tasks.submit(copy, job, 0, remote.size)
+            exc = tasks.wait()
+            if exc is not None:
                 raise explain(exc, uri) from exc
     finally:
         for job in jobs:

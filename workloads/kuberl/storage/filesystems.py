@@ -8,6 +8,7 @@ the job spec, so a spec cannot point a worker at someone else's credentials.
 from __future__ import annotations
 
 import base64
+import functools
 import os
 import pkgutil
 import re
@@ -18,6 +19,7 @@ from pathlib import Path
 import fsspec
 
 from kuberl.api.contract import PVC_ROOT, PVC_ROOT_ENV
+from kuberl.storage.checksums import Checksum
 from kuberl.storage.errors import StorageError
 from kuberl.api.uri import ParsedURI
 
@@ -94,18 +96,33 @@ class Store:
 
     # A fresh filesystem allowing ``max_connections`` concurrent requests.
     open: Callable[[int], fsspec.AbstractFileSystem]
-    # (etag, md5-hex) from an fsspec info dict: what identifies an object's content, and the MD5
-    # the store vouches for when it gives one.
-    identity: Callable[[dict], tuple[str | None, str | None]]
+    # (etag, checksum) from an fsspec info dict: what identifies an object's content, and the
+    # checksum its listing vouches for, when it gives one.
+    identity: Callable[[dict], tuple[str | None, Checksum | None]]
+
+
+@functools.cache
+def botocore_loader():
+    """The process's one botocore data loader: parsing botocore's S3 model and endpoint rules
+    costs about 0.15 s of CPU, paid once per process instead of once per client."""
+    import botocore.loaders
+
+    return botocore.loaders.create_loader()
 
 
 def _s3(max_connections: int) -> fsspec.AbstractFileSystem:
+    import aiobotocore.session
     import s3fs
 
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    # A fresh session (credentials as the environment has them now) with the cached models:
+    # listing a 1 GiB object took 0.1-0.3 s here with models parsed again per filesystem.
+    session = aiobotocore.session.get_session()
+    session.register_component("data_loader", botocore_loader())
     return s3fs.S3FileSystem(
         endpoint_url=endpoint or None,
         skip_instance_cache=True,
+        session=session,
         # One HTTP connection per concurrent request; botocore's default pool is 10.
         config_kwargs={"max_pool_connections": max_connections},
     )
@@ -114,10 +131,11 @@ def _s3(max_connections: int) -> fsspec.AbstractFileSystem:
 _MD5_HEX = re.compile(r"^[0-9a-f]{32}$")
 
 
-def _s3_identity(info: dict) -> tuple[str | None, str | None]:
+def _s3_identity(info: dict) -> tuple[str | None, Checksum | None]:
     etag = str(info.get("ETag") or info.get("etag") or "").strip('"') or None
-    # Multipart ETags ("<md5 of part md5s>-<n>") are not the MD5 of the content.
-    return etag, etag if etag and _MD5_HEX.match(etag) else None
+    # Multipart ETags ("<md5 of part md5s>-<n>") are not the MD5 of the content. A listing
+    # carries no CRC: the download's first GET asks for the object's own (download.py).
+    return etag, Checksum("md5", etag) if etag and _MD5_HEX.match(etag) else None
 
 
 def _gcs(max_connections: int) -> fsspec.AbstractFileSystem:
@@ -138,17 +156,24 @@ def _gcs(max_connections: int) -> fsspec.AbstractFileSystem:
     return cls(token=token, skip_instance_cache=True)
 
 
-def _gcs_identity(info: dict) -> tuple[str | None, str | None]:
-    md5 = base64.b64decode(info["md5Hash"]).hex() if info.get("md5Hash") else None
+def _gcs_identity(info: dict) -> tuple[str | None, Checksum | None]:
+    # GCS stores a CRC32C of every object (composite objects included); md5Hash only for
+    # objects uploaded in one piece. CRC32C hashes at ~20 GB/s, MD5 at ~0.5 GB/s.
+    if info.get("crc32c"):
+        checksum = Checksum("crc32c", info["crc32c"])
+    elif info.get("md5Hash"):
+        checksum = Checksum("md5", base64.b64decode(info["md5Hash"]).hex())
+    else:
+        checksum = None
     generation = info.get("generation")
-    return (str(generation) if generation else info.get("etag")), md5
+    return (str(generation) if generation else info.get("etag")), checksum
 
 
 def _local(max_connections: int) -> fsspec.AbstractFileSystem:
     return fsspec.filesystem("file", skip_instance_cache=True)
 
 
-def _local_identity(info: dict) -> tuple[str | None, str | None]:
+def _local_identity(info: dict) -> tuple[str | None, Checksum | None]:
     return f"mtime:{info.get('mtime')}", None
 
 

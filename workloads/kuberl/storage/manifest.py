@@ -23,7 +23,11 @@ class FileRecord:
     path: str            # '/'-separated, relative to the destination
     size: int
     etag: str | None     # the store's identity for this content (S3 ETag, GCS generation, ...)
-    checksum: str        # what was verified beyond the size: "md5" or "size"
+    checksum: str        # what was verified: "crc32c", "crc32", "md5" or just the "size"
+    # The file's CRC32C (base64, as stores write it) where kuberl computed it from the local
+    # file at upload (upload_dir): a checkpoint's COMPLETE carries it, and staging the
+    # checkpoint verifies it end to end, on any store, multipart objects included.
+    crc32c: str | None = None
 
 
 def load_verified(dst: Path, source: str) -> dict[str, FileRecord]:

@@ -3,6 +3,7 @@ directory, verified, atomically and resumably (what ``kuberl stage`` and resolve
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
 import os
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from kuberl.storage import filesystems
+from kuberl.storage import checksums, filesystems
+from kuberl.storage.checksums import Checksum
 from kuberl.storage.download import (RemoteFile, already_verified, download_files, list_source,
                                      remove_stale_parts)
 from kuberl.storage.errors import StorageError, explain, with_retries
@@ -52,8 +54,8 @@ def stage(src: str, dst: str | Path, *, workers: int = DEFAULT_WORKERS,
           log_interval_s: float = 10.0) -> StageResult:
     """Copy ``src`` into directory ``dst``; see the module docstring of kuberl.storage.
 
-    ``checksum``: "auto" verifies MD5s where the store gives them (S3 single-part ETags, GCS
-    md5Hash) besides sizes; "size" verifies sizes only. ``exclude``: glob patterns on the
+    ``checksum``: "auto" verifies, besides sizes, the fastest checksum the store gives
+    (CRC32C, CRC32, else MD5: kuberl.storage.checksums); "size" verifies sizes only. ``exclude``: glob patterns on the
     relative path. A source naming one ``.tar`` object is unpacked into ``dst`` (uncompressed
     tar only, through kuberl.storage.archive) unless ``unpack_tar`` is False. A source holding a
     checkpoint manifest (a top-level ``COMPLETE``) must hold exactly the files it lists. A
@@ -72,8 +74,10 @@ def stage(src: str, dst: str | Path, *, workers: int = DEFAULT_WORKERS,
     fs = filesystems.filesystem(parsed, max_connections=workers)
     root = filesystems.root_path(parsed)
     files = list_source(fs, parsed, root, src, exclude=exclude, attempts=attempts)
-    check_against_manifest(fs, files, src, exclude, attempts)
-    options = dict(workers=workers, part_size=part_size, verify_md5=checksum == "auto",
+    recorded = check_against_manifest(fs, files, src, exclude, attempts)
+    files = [dataclasses.replace(f, checksum=checksums.best(recorded.get(f.rel), f.checksum))
+             for f in files]
+    options = dict(workers=workers, part_size=part_size, verify=checksum == "auto",
                    attempts=attempts)
     if unpack_tar and len(files) == 1 and files[0].key == root and root.endswith(".tar"):
         return _stage_tar(fs, files[0], src, dst, options, started, progress_stream, log_interval_s)
@@ -116,13 +120,14 @@ def verify_checkpoint(uri: str, *, attempts: int = 5) -> None:
 
 
 def check_against_manifest(fs, files: list[RemoteFile], src: str, exclude: Sequence[str],
-                           attempts: int) -> None:
+                           attempts: int) -> dict[str, Checksum]:
     """A source whose top level holds ``COMPLETE`` is a checkpoint: refuse it unless the listing
     holds exactly the files COMPLETE lists, at the listed sizes (and store identities, where
-    COMPLETE records them). A step rewritten or torn after it was vouched for is never staged."""
+    COMPLETE records them). A step rewritten or torn after it was vouched for is never staged.
+    Returns the CRC32Cs COMPLETE records (kuberl's uploads compute them), by relative path."""
     marker = next((f for f in files if f.rel == COMPLETE), None)
     if marker is None:
-        return
+        return {}
     try:
         listed = {item["path"]: item for item in json.loads(
             with_retries(lambda: fs.cat_file(marker.key), uri=src, attempts=attempts))["files"]}
@@ -143,6 +148,8 @@ def check_against_manifest(fs, files: list[RemoteFile], src: str, exclude: Seque
         raise StorageError(f"{src}: the files do not match its {COMPLETE} manifest ("
                            f"{'; '.join(problems[:5])}{'; ...' if len(problems) > 5 else ''}): the "
                            f"checkpoint was changed after it was completed; restore another step")
+    return {rel: Checksum("crc32c", item["crc32c"], f"its {COMPLETE} (recorded at upload)")
+            for rel, item in listed.items() if isinstance(item.get("crc32c"), str)}
 
 
 def _stage_tar(fs, archive: RemoteFile, src: str, dst: Path, options: dict, started: float,
