@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.e2e.evidence import PodLogs
 from tests.harness.harness import REPO_ROOT, Cluster, free_port
 from tests.harness.helpers import get_json, wait_for
 from tests.harness.images import public_name
@@ -40,6 +41,7 @@ class Product:
     s3_host_env: dict[str, str]          # how this machine reaches the S3 server (local runs)
     s3_cluster_url: str                  # how pods reach it (a Service name)
     tiny: Path                           # the model and data uploaded to it
+    evidence: PodLogs                    # every pod's log, kept for a failure's report
     jobs: list[str] = field(default_factory=list)
 
     def kubectl(self, *args: str, **kwargs):
@@ -105,6 +107,17 @@ def record_timing(what: str, value: str) -> None:
     TIMINGS[what] = value
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failed test's report names the kept evidence (tests/e2e/evidence.py) and ends with the
+    driver's log, taken before the fixture's teardown deletes the jobs."""
+    outcome = yield
+    report = outcome.get_result()
+    product = getattr(item, "funcargs", {}).get("product")
+    if report.failed and call.when == "call" and product is not None:
+        report.sections.append(("kuberl e2e evidence", product.evidence.keep(item.name)))
+
+
 def pytest_terminal_summary(terminalreporter):
     if TIMINGS:
         terminalreporter.section("kuberl in pods: timings (docs/benchmarks.md)")
@@ -153,7 +166,8 @@ def product(real_cluster, tmp_path_factory):
     pod, = get_json(cluster, "pods", "-n", OPERATOR_NAMESPACE, "-l", "app.kubernetes.io/name=kuberl")["items"]
     assert pod["spec"]["containers"][0]["image"] == public_name("operator")
     assert pod["spec"]["nodeName"].startswith("real-node-")
-    yield Product(cluster, host_env, url, tiny)
+    evidence = PodLogs(cluster, NAMESPACE, tmp_path_factory.mktemp("evidence")).start()
+    yield Product(cluster, host_env, url, tiny, evidence)
     # Whatever a failed test left running goes, so that later tests on this cluster get its CPUs.
     cluster.kubectl("delete", "rltj", "--all", "-n", NAMESPACE, "--wait=true", "--timeout=180s", check=False)
     # The operator's log belongs with the cluster's when a test failed.
@@ -162,5 +176,6 @@ def product(real_cluster, tmp_path_factory):
     restarts = [c["restartCount"] for c in get_json(cluster, "pod", pod["metadata"]["name"], "-n",
                                                       OPERATOR_NAMESPACE)["status"]["containerStatuses"]]
     cluster.helm("uninstall", "kuberl", "-n", OPERATOR_NAMESPACE, "--wait", check=False)
+    evidence.stop()
     # Under the chart's own RBAC it was never refused anything, and it never crashed.
     assert "Forbidden" not in log and restarts == [0], (restarts, log[-5000:])

@@ -1,14 +1,33 @@
-"""A live resize of the rollout pool in real pods: examples/grpo-tiny-s3.yaml (one trainer pod,
-to leave the machine room for a second rollout pod) is patched to rollout.replicas 2 after its
-first step and back to 1 once the second engine has joined. KubeRay starts a second rollout pod,
-its engine joins at a step boundary with the current weights; the scale-down retires that engine,
-the driver names the pod of the engine left in status.rollout and the operator has KubeRay delete
-the other pod, so the first engine serves on. No step fails, no restart, and training goes on past
-the scale-down; the job is then deleted (it is long enough never to finish first, however fast its
-steps and however slow the new pod's start: in one CI run 160 steps were over before it joined)."""
+"""The rollout pool in real pods, on examples/grpo-tiny-s3.yaml with one trainer pod (to leave
+the machine room for a second rollout pod).
+
+A live resize: patched to rollout.replicas 2 after its first step, KubeRay starts a second rollout
+pod and its engine joins at a step boundary with the current weights; patched back to 1, the
+scale-down retires that engine, the driver names the pod of the engine left in status.rollout and
+the operator has KubeRay delete the other pod, so the first engine serves on. No step fails, no
+restart, and training goes on past the scale-down.
+
+A rollout pod killed (`--force`) mid-generation, in a job with two from the start: the driver
+re-sends the lost engine's prompts to the other engine, the job never leaves Running, its step
+counter never goes back, nothing is restored, the engine started for KubeRay's replacement pod
+joins and serves, and the reward still rises.
+
+Both jobs are deleted at the end (they are long enough never to finish first, however fast their
+steps and however slow a new pod's start).
+
+A new engine's start here is CPU: the new pod's `ray start`, then three Python processes that each
+import torch and vLLM (the engine actor, vLLM's EngineCore and its worker). With the machine's 2
+cores shared (2026-11-26, load 35-63 and 50-118) the second engine joined 391 s and 781 s after
+the patch; in the second run the new pod's `ray start` failed three times first (its raylet not
+registered with the head's starved GCS within the 30 s Ray gives it; the kubelet restarts the
+container with back-off), and the engine's start logged nothing for up to 243 s at a time. So a
+join is waited for while the new pods' start keeps logging (Starting), up to JOIN_TIMEOUT_S; a
+failure names the kept evidence (tests/e2e/evidence.py), whose driver log shows how far it got."""
 
 from __future__ import annotations
 
+import re
+import statistics
 import time
 
 import pytest
@@ -24,58 +43,176 @@ JOB = "resize"
 STEPS = 100_000
 STEPS_AFTER_SCALE_DOWN = 5
 TIMEOUT_S = 480
+JOIN_TIMEOUT_S = 1500  # a new engine's start, while it advances (Starting): 391 s and 781 s measured
+STALL_S = 480  # twice the longest silence of a start that went on: 243 s (vLLM's worker importing)
+STEP_LINE = re.compile(r"step (\d+)/\d+ (.*)$")
+RESTORED = re.compile(r"restored step|resumed from")
+FIRST_STEPS = 10  # the reward's baseline: the mean of the first steps'
 
 
-def rollout_pods(product) -> list[str]:
-    pods = get_json(product.cluster, "pods", "-n", NAMESPACE, "-l", f"kuberl.dev/job={JOB},kuberl.dev/role=rollout")
+def rollout_pods(product, job: str) -> list[str]:
+    pods = get_json(product.cluster, "pods", "-n", NAMESPACE, "-l", f"kuberl.dev/job={job},kuberl.dev/role=rollout")
     return sorted(p["metadata"]["name"] for p in pods["items"] if not p["metadata"].get("deletionTimestamp"))
 
 
-def resizes(status: dict) -> int:
-    return ((status.get("recoveries") or {}).get("resize") or {}).get("count", 0)
+def recoveries(status: dict, kind: str) -> int:
+    return ((status.get("recoveries") or {}).get(kind) or {}).get("count", 0)
 
 
-# pytest-timeout counts fixture setup: run alone, this test also sets up the cluster (about 9 min).
-@pytest.mark.timeout(1500)
-@pytest.mark.skip(reason="issue 34, open: in 2 of its 3 runs (2026-11-26) the second rollout pod's engine did not join "
-                         "(within 150 s in CI; within 480 s in a run where that pod's container was restarted once "
-                         "under load 34); it passed once, 277 s to join. Cause not found yet; the engine and cluster "
-                         "tiers' resize tests pass")
-def test_rollout_replicas_1_2_1_while_training_engines_join_and_leave_and_the_job_succeeds(product):
-    manifest = example(JOB)
+def step(status: dict) -> int:
+    return (status.get("progress") or {}).get("step", 0)
+
+
+def logged_steps(log: str) -> list[tuple[int, dict[str, float]]]:
+    """The driver's step lines, in order: each step's number and metrics."""
+    return [(int(m.group(1)), {k: float(v) for k, v in (kv.split("=", 1) for kv in m.group(2).split())})
+            for line in log.splitlines() if (m := STEP_LINE.search(line)) and "step_seconds=" in line]
+
+
+class Starting:
+    """Whether the start of the rollout pods not in ``known`` still advances: what they have
+    logged (every container run's log, kept by tests/e2e/evidence.py) and the driver's lines from
+    the engines on them (Ray forwards an actor's output tagged with its pod's IP). A start that
+    logs nothing new for STALL_S has hung and fails the wait; one that keeps logging is only slow
+    (the module docstring), and is waited for up to JOIN_TIMEOUT_S."""
+
+    def __init__(self, product, job: str, known: list[str]):
+        self.product, self.job, self.known = product, job, set(known)
+        self.logged, self.since = -1, time.monotonic()
+
+    def check(self) -> None:
+        pods = get_json(self.product.cluster, "pods", "-n", NAMESPACE, "-l",
+                        f"kuberl.dev/job={self.job},kuberl.dev/role=rollout")["items"]
+        new = [p for p in pods if p["metadata"]["name"] not in self.known]
+        evidence = self.product.evidence
+        logged = sum(f.stat().st_size for p in new for f in evidence.directory.glob(f"{p['metadata']['name']}.*.log"))
+        ips = [f"ip={p['status']['podIP']})" for p in new if p.get("status", {}).get("podIP")]
+        for driver in evidence.driver_logs(self.job):
+            text = driver.read_text(errors="replace")
+            logged += sum(text.count(ip) for ip in ips)
+        if logged != self.logged:
+            self.logged, self.since = logged, time.monotonic()
+        assert time.monotonic() - self.since < STALL_S, \
+            f"the start of rollout pod(s) {[p['metadata']['name'] for p in new]} logged nothing for {STALL_S} s"
+
+
+class Running:
+    """A wait's condition that also checks, at every poll, that the job is Running in its first
+    attempt and that its step counter never went back (and with ``starting``, that the new pods'
+    start still advances)."""
+
+    def __init__(self, product, job: str):
+        self.product = product
+        self.job = job
+        self.seen = 0
+
+    def wait(self, what: str, done, timeout: float = TIMEOUT_S, interval: float = 1.0,
+             starting: Starting | None = None) -> dict:
+        def check(status: dict) -> bool:
+            assert status.get("phase") == "Running" and not status.get("restarts"), status
+            assert step(status) >= self.seen, f"the step counter went back: {self.seen} -> {step(status)}"
+            self.seen = step(status)
+            if starting is not None and not done(status):
+                starting.check()
+            return done(status)
+        return self.product.wait_status(self.job, what, check, timeout, interval)
+
+
+def long_job(name: str, rollout_replicas: int) -> dict:
+    manifest = example(name)
     spec = manifest["spec"]
     spec["algorithm"]["totalSteps"] = STEPS
     spec["trainer"]["replicas"] = 1
+    spec["rollout"]["replicas"] = rollout_replicas
     spec["checkpoint"].update(intervalSteps=STEPS // 2, exportHuggingFace=False)
-    product.apply(manifest)
-    product.wait_status(JOB, "its first step", lambda s: (s.get("progress") or {}).get("step", 0) >= 1, TIMEOUT_S)
-    [first] = rollout_pods(product)
+    return manifest
+
+
+# pytest-timeout counts fixture setup: run alone, this test also sets up the cluster (about 5 min).
+@pytest.mark.timeout(3000)
+def test_rollout_replicas_1_2_1_while_training_engines_join_and_leave_and_no_step_fails(product):
+    product.apply(long_job(JOB, 1))
+    product.wait_status(JOB, "its first step", lambda s: step(s) >= 1, TIMEOUT_S)
+    running = Running(product, JOB)
+    [first] = rollout_pods(product, JOB)
 
     patch = ["patch", "rltj", JOB, "-n", NAMESPACE, "--type=merge", "-p"]
     product.kubectl(*patch, '{"spec":{"rollout":{"replicas":2}}}')
     patched = time.monotonic()
-    status = product.wait_status(JOB, "the second engine joined", lambda s: resizes(s) >= 1, TIMEOUT_S)
+    status = running.wait("the second engine joined", lambda s: recoveries(s, "resize") >= 1, JOIN_TIMEOUT_S,
+                          interval=2, starting=Starting(product, JOB, [first]))
     record_timing("rollout 1 -> 2: patch -> the new engine serving", f"{time.monotonic() - patched:.0f} s")
     assert (status["rollout"]["replicas"], status["rollout"]["enginePods"]) == (2, [first]), status
-    [added] = set(rollout_pods(product)) - {first}
-    joined_at = status["progress"]["step"]
+    joined_at = step(status)
 
     product.kubectl(*patch, '{"spec":{"rollout":{"replicas":1}}}')
     patched = time.monotonic()
-    status = product.wait_status(JOB, "the scale-down applied", lambda s: resizes(s) >= 2, TIMEOUT_S)
+    status = running.wait("the scale-down applied", lambda s: recoveries(s, "resize") >= 2)
     assert (status["rollout"]["replicas"], status["rollout"]["enginePods"]) == (1, [first]), status
-    wait_for("the second rollout pod to go", lambda: rollout_pods(product) == [first], product.cluster,
+    wait_for("the second rollout pod to go", lambda: rollout_pods(product, JOB) == [first], product.cluster,
              timeout=120, interval=1)
     record_timing("rollout 2 -> 1: patch -> the second pod gone", f"{time.monotonic() - patched:.0f} s")
 
-    scaled_down_at = status["progress"]["step"]
-    status = product.wait_status(JOB, f"{STEPS_AFTER_SCALE_DOWN} steps on one engine again, both resizes posted",
-                                 lambda s: (s.get("progress") or {}).get("step", 0) >= scaled_down_at + STEPS_AFTER_SCALE_DOWN
-                                 and (s.get("recoveryEvents") or {}).get("resize") == 2, TIMEOUT_S)
-    assert status["phase"] == "Running" and status.get("restarts", 0) == 0, status
-    assert status["progress"]["step"] > joined_at
+    scaled_down_at = step(status)
+    status = running.wait(f"{STEPS_AFTER_SCALE_DOWN} steps on one engine again, both resizes posted",
+                          lambda s: step(s) >= scaled_down_at + STEPS_AFTER_SCALE_DOWN
+                          and (s.get("recoveryEvents") or {}).get("resize") == 2)
+    assert step(status) > joined_at
     assert "engineLost" not in (status.get("recoveries") or {}), status
-    events = get_json(product.cluster, "events", "-n", NAMESPACE, "--field-selector",
-                      f"involvedObject.name={JOB},involvedObject.kind=RLTrainingJob")["items"]
-    assert {"Resizing", "Resized"} <= {e["reason"] for e in events}
+    assert {"Resizing", "Resized"} <= event_reasons(product, JOB)
     product.kubectl("delete", "rltj", JOB, "-n", NAMESPACE, "--wait=true", "--timeout=120s")
+
+
+def event_reasons(product, job: str) -> set[str]:
+    events = get_json(product.cluster, "events", "-n", NAMESPACE, "--field-selector",
+                      f"involvedObject.name={job},involvedObject.kind=RLTrainingJob")["items"]
+    return {e["reason"] for e in events}
+
+
+@pytest.mark.timeout(3000)
+@pytest.mark.skip(reason="issue 34, open: an engine lost during a weight sync ends the attempt. Both runs of this test "
+                         "(2026-11-26 06:44 and 07:16 UTC, the kept driver logs) killed the pod just after a step "
+                         "ended and it died in the next step's sync: the trainer's gloo broadcast failed "
+                         "(Connection closed by peer, the killed pod's IP, kuberl/sync/nccl.py broadcast_weights). "
+                         "Un-skip with the engine-side fix (the sync34 branch)")
+def test_a_rollout_pod_killed_mid_generation_costs_no_step_and_its_replacement_serves(product):
+    job = "rollout-kill"
+    product.apply(long_job(job, 2))
+    product.wait_status(job, "its first step", lambda s: step(s) >= 1, JOIN_TIMEOUT_S)
+    running = Running(product, job)
+
+    # A pod killed just after a step ended, while the next one generates.
+    at = running.wait("a step", lambda s: step(s) >= 1)["progress"]["step"]
+    running.wait(f"step {at + 1}", lambda s: step(s) > at, interval=0.2)
+    pods = rollout_pods(product, job)
+    victim = pods[-1]
+    product.kubectl("delete", "pod", victim, "-n", NAMESPACE, "--grace-period=0", "--force", "--wait=false")
+    killed, killed_at = time.monotonic(), running.seen
+    status = running.wait("the lost engine's replacement joined", lambda s: recoveries(s, "engineReplaced") >= 1,
+                          JOIN_TIMEOUT_S, interval=2, starting=Starting(product, job, pods))
+    record_timing("rollout pod kill -> replacement engine joined",
+                  f"{time.monotonic() - killed:.0f} s (steps {killed_at + 1}-{step(status)})")
+    assert recoveries(status, "engineLost") == 1, status
+    replaced_at = step(status)
+    # The replacement serves: the steps after it run on both engines again.
+    running.wait(f"step {replaced_at + 3}", lambda s: step(s) >= replaced_at + 3)
+    assert {"EngineLost", "EngineReplaced"} <= event_reasons(product, job)
+
+    # The driver's own account: the lost engine, no restore, each step once and in order, the
+    # slowest step after the kill against the median, and the reward still rising.
+    [driver] = product.evidence.driver_logs(job)
+    log = driver.read_text(errors="replace")
+    assert re.search(r"rollout engine \d+ lost \(", log) and not RESTORED.search(log), log[-3000:]
+    logged = logged_steps(log)
+    assert [n for n, _ in logged] == list(range(1, len(logged) + 1)), "a step ran twice or went missing"
+    steps = dict(logged)
+    assert steps[max(steps)]["engines_live"] == 2, steps[max(steps)]
+    seconds = {s: m["step_seconds"] for s, m in steps.items() if s > 1}
+    slowest = max((s for s in seconds if s > killed_at), key=seconds.get)
+    record_timing("slowest step after the rollout pod kill / median step",
+                  f"{seconds[slowest]:.2f} s (step {slowest}) / {statistics.median(seconds.values()):.2f} s")
+    baseline = statistics.mean(steps[s]["reward_mean"] for s in range(1, FIRST_STEPS + 1))
+    after = statistics.mean(m["reward_mean"] for s, m in steps.items() if s > killed_at)
+    record_timing("reward: first 10 steps -> steps after the kill (mean)", f"{baseline:.3f} -> {after:.3f}")
+    assert after > baseline, (baseline, after)
+    product.kubectl("delete", "rltj", job, "-n", NAMESPACE, "--wait=true", "--timeout=120s")

@@ -214,8 +214,12 @@ def test_head_and_trainer_pods_get_the_preemption_notice_hook_within_their_grace
         command = container["lifecycle"]["preStop"]["exec"]["command"]
         assert command == ["kuberl", "preemption-notice", "--wait-seconds", "295"]
         assert command[1] in SUBCOMMANDS  # a command the image's kuberl knows
+        # Once the hook lets the pod go, Ray stops its processes at once instead of draining the
+        # node for 30 s while the ranks run steps past the committed checkpoint.
+        assert {"name": "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "value": "0"} in container["env"]
     (rollout,) = pods["rollout"]["containers"]
     assert "lifecycle" not in rollout and "terminationGracePeriodSeconds" not in pods["rollout"]
+    assert "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S" not in {e["name"] for e in rollout["env"]}
     default = _pods(_by_kind(render_manifest(yaml.safe_load((REPO / "examples" / "grpo-tiny-cpu.yaml").read_text())))
                     ["RayJob"])
     assert default["trainer"]["terminationGracePeriodSeconds"] == 120

@@ -77,6 +77,11 @@ RAY_NAMESPACE = "kuberl"
 NOTICE_COMMAND = ["kuberl", "preemption-notice"]
 # Of a pod's grace period, what the hook leaves for Ray's own stop after SIGTERM.
 NOTICE_STOP_MARGIN_SECONDS = 5
+# Ray's own drain of a node on SIGTERM (read by Ray's `ray start`; Ray 2.60 waits up to 30 s by
+# default while the node's actors run on), 0 on the pods with the hook: the hook has held the pod
+# until the step in flight was committed, and a drain then only lets the ranks run steps that the
+# recovery runs again (28 steps in the 30 s, measured in pods).
+RAY_DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
 
 # --- config and in-pod paths ----------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from kuberl.api import types as t
 from kuberl.api.validate import ManifestError, pod_errors, validate_manifest
 from kuberl.api.contract import (ATTEMPT_ANNOTATION, CONFIG_DIR, CONFIG_FILE, CONFIG_PATH, DATA_DIR, HEAD_ROLE,
                              JOB_LABEL, JOB_NAME_ENV, METRICS_PORT, METRICS_PORT_ENV, MODEL_DIR, NAMESPACE_ENV,
-                             NOTICE_COMMAND, NOTICE_STOP_MARGIN_SECONDS,
+                             NOTICE_COMMAND, NOTICE_STOP_MARGIN_SECONDS, RAY_DRAIN_ENV,
                              PEER_NAMESPACE_LABEL, PLAN_FILE, PVC_ROOT, PVC_ROOT_ENV, RAY_DASHBOARD_PORT,
                              RAY_METRICS_PORT, ROLE_ENV, ROLLOUT_GROUP, RUN_AS_USER, STAGE_DIR, TRAINER_GROUP,
                              VALIDATION_DATA_DIR, config_map_name, labels, network_policy_name, ray_job_name,
@@ -254,6 +254,7 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
     notice = role in (HEAD_ROLE, TRAINER_GROUP)
     if notice:
         container["lifecycle"] = _notice_hook(spec.scheduling.termination_grace_period_seconds)
+        container["env"].append({"name": RAY_DRAIN_ENV, "value": "0"})
     writes = _write_claims(job, role)
     claims = dict.fromkeys([*_read_claims(job, "stager"), *_read_claims(job, role, plan), *writes])
     volumes = [

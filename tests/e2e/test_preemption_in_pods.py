@@ -1,0 +1,81 @@
+"""A trainer pod deleted gracefully in real pods (`kubectl delete pod`, what a node drain or a
+spot notice does too): its preStop hook (`kuberl preemption-notice`) tells the driver, which
+checkpoints the step in flight at the next step boundary; the hook holds the pod until that
+checkpoint is committed, and only then does the pod go. The driver then recovers the trainer group
+in place from that checkpoint or a newer one (same attempt, same Ray cluster): no step done before
+the notice is lost. The job's periodic checkpoints are too far apart to count, so the restored one
+is the notice's."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from tests.harness.helpers import get_json, wait_for
+from tests.e2e.conftest import NAMESPACE, example, record_timing
+
+pytestmark = [pytest.mark.cluster, pytest.mark.real_nodes, pytest.mark.slow]
+
+JOB = "preempt"
+STEPS = 100_000  # more than the test waits for: the job is deleted at the end
+TIMEOUT_S = 900  # a trainer pod's start here, CPU-bound at high load (test_resize_in_pods' docstring)
+NOTICE = re.compile(r"preemption notice from (\S+): checkpointing step (\d+), the step in flight")
+RECOVERED = re.compile(r"trainer group recovered in ([\d.]+) s \(epoch (\d+)\): restored step (\d+)")
+STEP_LINE = re.compile(r"step (\d+)/\d+ ")
+
+
+def step(status: dict) -> int:
+    return (status.get("progress") or {}).get("step", 0)
+
+
+@pytest.mark.timeout(2400)
+@pytest.mark.skip(reason="issue 34, open: in its one run (2026-11-26 07:25 UTC, the kept driver log) the notice and the "
+                         "commit worked (notice at step 4, step 5 committed 5 s later), then Ray drained the node for "
+                         "30 s while the rank ran steps 6-33 (the drain is now rendered 0, not yet run in pods), and "
+                         "the in-place recovery failed: with the only trainer pod gone, TrainerGroup._start reserved "
+                         "no trainer slot (ray.cluster_resources() lacked it), so the new rank went to the rollout "
+                         "pod, which has no S3 credentials (StorageError in claim_epoch)")
+def test_a_trainer_pod_deleted_gracefully_commits_the_step_in_flight_and_loses_no_step(product):
+    manifest = example(JOB)
+    spec = manifest["spec"]
+    spec["algorithm"]["totalSteps"] = STEPS
+    spec["trainer"]["replicas"] = 1
+    spec["checkpoint"].update(intervalSteps=STEPS // 2, exportHuggingFace=False)
+    product.apply(manifest)
+    product.wait_status(JOB, "its third step", lambda s: step(s) >= 3, TIMEOUT_S)
+
+    trainers = get_json(product.cluster, "pods", "-n", NAMESPACE, "-l", f"kuberl.dev/job={JOB},kuberl.dev/role=trainer")
+    [trainer] = [p["metadata"]["name"] for p in trainers["items"]]
+    at = step(product.status(JOB))
+    product.kubectl("delete", "pod", trainer, "-n", NAMESPACE, "--wait=false")  # graceful: its preStop hook runs
+    deleted = time.monotonic()
+    wait_for(f"pod {trainer} to go", lambda: product.kubectl("get", "pod", trainer, "-n", NAMESPACE,
+                                                              check=False).returncode != 0,
+             product.cluster, timeout=TIMEOUT_S, interval=1)
+    record_timing("trainer pod delete -> the notice's checkpoint committed, pod gone",
+                  f"{time.monotonic() - deleted:.0f} s")
+    [driver] = product.evidence.driver_logs(JOB)
+    recovered = wait_for("the driver to recover the trainer group in place",
+                         lambda: RECOVERED.search(driver.read_text(errors="replace")), product.cluster,
+                         timeout=TIMEOUT_S, interval=2)
+    status = product.wait_status(JOB, "training again after the recovery",
+                                 lambda s: step(s) > int(recovered.group(3)), TIMEOUT_S)
+    record_timing("trainer pod delete -> training again (in place)", f"{time.monotonic() - deleted:.0f} s")
+    assert status["phase"] == "Running" and not status.get("restarts"), status  # no new attempt
+
+    log = driver.read_text(errors="replace")
+    notice = NOTICE.search(log)
+    assert notice and notice.group(1) == trainer, log[-3000:]
+    noticed, restored = int(notice.group(2)), int(recovered.group(3))
+    # The restored checkpoint covers the step in flight at the delete: nothing done before the
+    # notice is lost. Steps the driver completed between the commit and the pod's end (the hook's
+    # poll, then the kubelet's SIGTERM) run again; they are counted, not lost to the notice.
+    assert restored >= noticed > at, (at, noticed, restored)
+    completed = max(int(m.group(1)) for m in STEP_LINE.finditer(log[:recovered.start()]))
+    record_timing("trainer pod delete: notice at step / restored / steps run again",
+                  f"{noticed} / {restored} / {max(0, completed - restored)}")
+    # With Ray's drain off (RAY_DRAIN_ENV), at most the step the rank was in as SIGTERM came.
+    assert completed - restored <= 1, f"steps {restored + 1}-{completed} ran past the committed checkpoint"
+    product.kubectl("delete", "rltj", JOB, "-n", NAMESPACE, "--wait=true", "--timeout=120s")
