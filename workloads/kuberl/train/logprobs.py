@@ -164,11 +164,18 @@ class TokenLogProbHead(nn.Module):
         if req is None:
             return F.linear(hidden, self.weight)
         flat = hidden.reshape(-1, hidden.shape[-1])[req.rows]
+        weight = self.weight
+        if torch.is_autocast_enabled(flat.device.type):
+            # Under autocast (one unsharded rank) the chunked head gets the compute dtype as it
+            # does under FSDP2 mixed precision: its backward runs outside autocast, where fp32
+            # inputs would make every recomputed logits matmul an fp32 one.
+            dtype = torch.get_autocast_dtype(flat.device.type)
+            flat, weight = flat.to(dtype), weight.to(dtype)
         if self.chunk_tokens:
-            lp, ent = chunked_logprobs_entropy(flat, self.weight, req.targets, temperature=req.temperature,
+            lp, ent = chunked_logprobs_entropy(flat, weight, req.targets, temperature=req.temperature,
                                                chunk_tokens=self.chunk_tokens, with_entropy=req.with_entropy)
         else:
-            lp, ent = full_logprobs_entropy(flat, self.weight, req.targets, temperature=req.temperature,
+            lp, ent = full_logprobs_entropy(flat, weight, req.targets, temperature=req.temperature,
                                             with_entropy=req.with_entropy)
         return torch.stack([lp, ent if ent is not None else torch.zeros_like(lp)], dim=-1)
 
