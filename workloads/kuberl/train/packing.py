@@ -132,7 +132,7 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     docs, longest = cu.shape[0] - 1, kwargs["max_length_q"]
-    if longest * docs == query.shape[2] and getattr(module.config, UNIFORM_SDPA_ATTR, True):
+    if longest * docs == query.shape[2] and getattr(getattr(module, "config", None), UNIFORM_SDPA_ATTR, True):
         out = uniform_sdpa_attention(query, key, value, docs, scaling)
     elif query.is_cuda and _varlen() is not None:
         out = flash_varlen_attention(query, key, value, cu, longest, scaling)
