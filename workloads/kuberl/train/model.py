@@ -1,6 +1,6 @@
-"""A Hugging Face causal LM as an FSDP2 module: meta-device build on every rank, real weights
-read once on rank 0 and broadcast in coalesced buckets, ``fully_shard`` per decoder layer then
-the root, optional non-reentrant activation checkpointing (every layer or every n-th), each
+"""A Hugging Face causal LM as an FSDP2 module (on one rank a plain one under autocast):
+meta-device build on every rank, real weights read once on rank 0 and broadcast in coalesced
+buckets, ``fully_shard`` per decoder layer then the root, optional non-reentrant activation checkpointing (every layer or every n-th), each
 decoder layer's forward compiled on GPU, packed-sequence attention, the chunked log-prob head
 and the every-expert MoE path."""
 
@@ -34,11 +34,12 @@ class ModelOptions:
     param_dtype: torch.dtype = torch.float32
     # At world size 1: False keeps a plain module (fp32 weights, forward under autocast to
     # param_dtype), as torchtitan trains on one GPU: FSDP2 on a one-rank mesh only adds its
-    # all-gather and reduce-scatter copies (bench/train_speed.py). True wraps it in FSDP2 anyway.
+    # all-gather and reduce-scatter copies (0.8% of tokens/s on an H200, docs/benchmarks.md).
+    # True wraps it in FSDP2 anyway.
     # Checkpoints are the same DCP state (same names, global shapes) either way.
     shard_single_rank: bool = False
     # Packed rows whose documents all have one length run as a batch of causal rows through SDPA
-    # (cuDNN's flash kernels on Hopper, 1.7x FlashAttention-2 varlen; kuberl.train.packing);
+    # (cuDNN's flash kernels on Hopper, 1.6x FlashAttention-2 varlen; kuberl.train.packing);
     # False: every packed row through the varlen kernel.
     uniform_sdpa: bool = True
     # "grouped" | "loop": our every-expert path; "stock": the library's own experts (benchmarks

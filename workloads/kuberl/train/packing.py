@@ -8,7 +8,8 @@ each sample only (document masking). Micro-batches are filled up to a token budg
 
 Attention goes through ``PACKED_ATTENTION``, registered with transformers' ``AttentionInterface``:
 with ``cu_seq_lens_q`` in the forward kwargs it runs varlen attention (CUDA: PyTorch's own
-flash-attention varlen kernel, ``torch.nn.attention.varlen``), otherwise a block-diagonal causal
+flash-attention varlen kernel, ``torch.nn.attention.varlen``; a row whose documents all have one
+length runs as a batch of causal rows through SDPA instead, cuDNN's kernels first), otherwise a block-diagonal causal
 mask through SDPA (CPU, and GPUs without the varlen kernel). Without packing kwargs it is plain
 causal SDPA: right-padded rows need no mask under causal attention, since no real token attends
 to a later position. transformers builds no mask for an attention implementation it does not
@@ -80,8 +81,8 @@ def flash_varlen_attention(query, key, value, cu, max_len, scaling):
 
 
 # SDPA's order of preference for rows of equal-length documents: cuDNN's fused flash attention
-# first (its Hopper kernels: 1.24 ms forward, 3.17 ms backward against FlashAttention-2 varlen's
-# 2.00 / 5.37 at 4 x 4096 tokens, 32 heads of 128 on an H200, bench/packed_attention.py), as
+# first (its Hopper kernels: 1.17 ms forward, 3.38 ms backward against FlashAttention-2 varlen's
+# 2.01 / 5.31 at 4 x 4096 tokens, 32 heads of 128 on an H200, bench/packed_attention.py), as
 # torchtitan asks for it.
 _UNIFORM_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                      SDPBackend.MATH]
