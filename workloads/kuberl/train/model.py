@@ -1,8 +1,8 @@
 """A Hugging Face causal LM as an FSDP2 module (on one rank a plain one under autocast):
 meta-device build on every rank, real weights read once on rank 0 and broadcast in coalesced
-buckets, ``fully_shard`` per decoder layer then the root, optional non-reentrant activation checkpointing (every layer or every n-th), each
-decoder layer's forward compiled on GPU, packed-sequence attention, the chunked log-prob head
-and the every-expert MoE path."""
+buckets, ``fully_shard`` per decoder layer then the root, optional non-reentrant activation
+checkpointing (every layer or every n-th), each decoder layer's forward compiled on GPU,
+packed-sequence attention, the chunked log-prob head and the every-expert MoE path."""
 
 from __future__ import annotations
 
