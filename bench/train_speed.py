@@ -138,6 +138,15 @@ def run_trainer(name: str, model_config, options: ModelOptions, batch: TrainBatc
         first = first if first is not None else elapsed
         if step >= args.warmup:
             times.append(elapsed)
+    if getattr(args, "profile", 0) and on_gpu:  # one more step, for where the time goes (kernel table on stdout)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            worker.train_step(batch)
+            torch.cuda.synchronize()
+        print(f"profile of {name}:\n" + prof.key_averages().table(sort_by="self_cuda_time_total",
+                                                                   row_limit=args.profile, max_name_column_width=90),
+              flush=True)
     step_s = statistics.median(times)
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in batch.samples]
     scored = sum(len(s.response_ids) for s in batch.samples)
@@ -210,11 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="h100")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--dense-variants", default="before,ckpt-all,ckpt-half,ckpt-quarter",
-                        help="before = the previous path; the others: this change with activation checkpointing on "
-                             "every / every other / every fourth layer, or none (no-ckpt)")
+                        help="before = the path before issue 20; the others: activation checkpointing on every / "
+                             "every other / every fourth layer, or none (no-ckpt: 4096-token micro-batches, no-ckpt-4: "
+                             "16,384); sharded-flash-*: FSDP2 on one rank and FlashAttention-2 (before issue 36), "
+                             "sharded-* / flash-*: one of the two")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                        help="profile one more step of each variant and print its top ROWS kernels")
     args = parser.parse_args(argv)
     sections = args.sections.split(",")
     if set(sections) - set(SECTIONS):
@@ -259,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         config = make_config(preset, moe=False)
         batch = uniform_batch(world * preset["samples"], seq, config.vocab_size, seed=1)
         new = dict(param_dtype=dtype)
+        # Before issue 36: FSDP2 on the one-rank mesh and FlashAttention-2 for packed rows.
+        sharded_flash = dict(new, shard_single_rank=True, uniform_sdpa=False)
         variants = {
             "before": (ModelOptions(param_dtype=dtype, attn_implementation="sdpa", logprob_chunk_tokens=0,
                                     compile_layers=False, reshard_after_forward=True), dict(micro_batch_size=1,
@@ -267,6 +282,15 @@ def main(argv: list[str] | None = None) -> int:
             "ckpt-half": (ModelOptions(**new, checkpoint_every=2), dict(micro_batch_tokens=4 * seq)),
             "ckpt-quarter": (ModelOptions(**new, checkpoint_every=4), dict(micro_batch_tokens=4 * seq)),
             "no-ckpt": (ModelOptions(**new, gradient_checkpointing=False), dict(micro_batch_tokens=seq)),
+            "no-ckpt-4": (ModelOptions(**new, gradient_checkpointing=False), dict(micro_batch_tokens=4 * seq)),
+            "sharded-flash-ckpt-all": (ModelOptions(**sharded_flash), dict(micro_batch_tokens=4 * seq)),
+            "sharded-flash-ckpt-quarter": (ModelOptions(**sharded_flash, checkpoint_every=4),
+                                           dict(micro_batch_tokens=4 * seq)),
+            # One lever each, against sharded-flash-ckpt-quarter.
+            "sharded-ckpt-quarter": (ModelOptions(**new, shard_single_rank=True, checkpoint_every=4),
+                                     dict(micro_batch_tokens=4 * seq)),
+            "flash-ckpt-quarter": (ModelOptions(**new, uniform_sdpa=False, checkpoint_every=4),
+                                   dict(micro_batch_tokens=4 * seq)),
         }
         for name in args.dense_variants.split(","):
             options, extra = variants[name]

@@ -76,7 +76,7 @@ def test_packed_chunked_path_matches_the_padded_full_logits_path():
         batch = _batch()
         batch.old_logprobs = worker.log_probs(batch)
         metrics = worker.train_step(batch)
-        after = {k: v.full_tensor().clone() for k, v in worker.model.state_dict().items()}
+        after = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
         outcomes.append((batch.old_logprobs, metrics, after))
     (lp_ref, m_ref, w_ref), (lp_ours, m_ours, w_ours) = outcomes
     worker.shutdown()
@@ -113,7 +113,7 @@ def test_packed_training_resumes_bit_exactly(tmp_path):
     state, extra = first.checkpoint_state()  # what RankCheckpointer writes
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ckpt")))
     expected = first.train_step(_batch())
-    weights = {k: v.full_tensor().clone() for k, v in first.model.state_dict().items()}
+    weights = {k: v.detach().clone() for k, v in first.model.state_dict().items()}
     second = TrainerWorker(None, trainer_config, rank=0, world_size=1, master_addr="127.0.0.1", master_port=port,
                            device=torch.device("cpu"), random_init_config=config)
     second.model.apply(lambda m: [p.data.zero_() for p in m.parameters(recurse=False)])
@@ -121,7 +121,7 @@ def test_packed_training_resumes_bit_exactly(tmp_path):
                          extra)
     assert second.train_step(_batch()) == expected
     for name, value in second.model.state_dict().items():
-        assert torch.equal(value.full_tensor(), weights[name]), name
+        assert torch.equal(value, weights[name]), name
     second.shutdown()
 
 
@@ -147,3 +147,23 @@ def test_packed_decoder_layer_compiles_as_one_graph():
         position_embeddings=Qwen3RotaryEmbedding(config)(hidden, positions),
         **attention_kwargs(lengths, torch.device("cpu")))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_equal_length_documents_run_as_a_batch_with_the_masked_paths_values_and_gradients():
+    """A packed row of documents of one length goes to SDPA as a batch of causal rows (cuDNN's
+    kernels on Hopper); it computes what the document mask does, values and gradients, with
+    grouped K/V heads."""
+    from kuberl.train.packing import _masked_sdpa_attention, attention_kwargs, uniform_sdpa_attention
+
+    torch.manual_seed(0)
+    docs, length, heads, kv_heads, dim = 3, 7, 4, 2, 8
+    q = torch.randn(1, heads, docs * length, dim, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, kv_heads, docs * length, dim, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, kv_heads, docs * length, dim, dtype=torch.float64, requires_grad=True)
+    cu = attention_kwargs([length] * docs, torch.device("cpu"))["cu_seq_lens_q"]
+    ours = uniform_sdpa_attention(q, k, v, docs, 0.3)
+    masked = _masked_sdpa_attention(q, k, v, cu, 0.3)
+    torch.testing.assert_close(ours, masked)
+    grad = torch.randn_like(ours)
+    for a, b in zip(torch.autograd.grad(ours, (q, k, v), grad), torch.autograd.grad(masked, (q, k, v), grad)):
+        torch.testing.assert_close(a, b)

@@ -1,8 +1,8 @@
-"""A Hugging Face causal LM as an FSDP2 module: meta-device build on every rank, real weights
-read once on rank 0 and broadcast in coalesced buckets, ``fully_shard`` per decoder layer then
-the root, optional non-reentrant activation checkpointing (every layer or every n-th), each
-decoder layer's forward compiled on GPU, packed-sequence attention, the chunked log-prob head
-and the every-expert MoE path."""
+"""A Hugging Face causal LM as an FSDP2 module (on one rank a plain one under autocast):
+meta-device build on every rank, real weights read once on rank 0 and broadcast in coalesced
+buckets, ``fully_shard`` per decoder layer then the root, optional non-reentrant activation
+checkpointing (every layer or every n-th), each decoder layer's forward compiled on GPU,
+packed-sequence attention, the chunked log-prob head and the every-expert MoE path."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kuberl.train.logprobs import DEFAULT_CHUNK_TOKENS, use_logprob_head
 from kuberl.train.moe import use_grouped_experts
-from kuberl.train.packing import PACKED_ATTENTION, register_packed_attention
+from kuberl.train.packing import PACKED_ATTENTION, UNIFORM_SDPA_ATTR, register_packed_attention
 
 BROADCAST_BUCKET_BYTES = 256 << 20
 
@@ -29,8 +29,19 @@ class ModelOptions:
     # With checkpointing on: recompute every n-th decoder layer only (1 = all; 2 = half the
     # recompute, more activation memory).
     checkpoint_every: int = 1
-    # Compute dtype under FSDP2 mixed precision; master weights and gradient reduction stay fp32.
+    # Compute dtype (FSDP2 mixed precision, or autocast on one unsharded rank); master weights,
+    # gradients and their reduction stay fp32.
     param_dtype: torch.dtype = torch.float32
+    # At world size 1: False keeps a plain module (fp32 weights, forward under autocast to
+    # param_dtype), as torchtitan trains on one GPU: FSDP2 on a one-rank mesh only adds its
+    # all-gather and reduce-scatter copies (0.8% of tokens/s on an H200, docs/benchmarks.md).
+    # True wraps it in FSDP2 anyway.
+    # Checkpoints are the same DCP state (same names, global shapes) either way.
+    shard_single_rank: bool = False
+    # Packed rows whose documents all have one length run as a batch of causal rows through SDPA
+    # (cuDNN's flash kernels on Hopper, 1.6x FlashAttention-2 varlen; kuberl.train.packing);
+    # False: every packed row through the varlen kernel.
+    uniform_sdpa: bool = True
     # "grouped" | "loop": our every-expert path; "stock": the library's own experts (benchmarks
     # and the failure-mode test only).
     moe_experts: str = "grouped"
@@ -57,6 +68,7 @@ def load_config(model_path: str, options: ModelOptions):
 def prepare_config(config, options: ModelOptions):
     if options.attn_implementation == PACKED_ATTENTION:
         register_packed_attention()
+        setattr(config, UNIFORM_SDPA_ATTR, options.uniform_sdpa)
     config._attn_implementation = options.attn_implementation
     if options.moe_experts == "stock":
         # The library's per-expert Python loop, i.e. what a plain from_pretrained trains with
@@ -104,6 +116,11 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def is_sharded(mesh: DeviceMesh, options: ModelOptions) -> bool:
+    """Whether ``shard_model`` wraps the model in FSDP2 on this mesh."""
+    return mesh.size() > 1 or options.shard_single_rank
+
+
 def shard_model(model: nn.Module, mesh: DeviceMesh, options: ModelOptions, *, trainable: bool = True) -> nn.Module:
     layers = decoder_layers(model)
     if options.gradient_checkpointing and trainable:
@@ -120,6 +137,12 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, options: ModelOptions, *, tr
         # start (packed micro-batches differ in length every time).
         for layer in layers:
             layer.forward = torch.compile(layer.forward, dynamic=True)
+    if not is_sharded(mesh, options):
+        if options.param_dtype != torch.float32:
+            model.forward = torch.autocast(mesh.device_type, dtype=options.param_dtype)(model.forward)
+        if not trainable:
+            model.requires_grad_(False)
+        return model
     mp = MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=torch.float32)
     reshard = options.reshard_after_forward if options.reshard_after_forward is not None else mesh.size() > 1
     for layer in layers:
@@ -129,6 +152,15 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, options: ModelOptions, *, tr
     if not trainable:
         model.requires_grad_(False)
     return model
+
+
+def _materialize(model: nn.Module, mesh: DeviceMesh, device: torch.device, options: ModelOptions) -> None:
+    """Allocate the meta-device model on ``device`` (contents undefined)."""
+    model.to_empty(device=device)
+    if not is_sharded(mesh, options):
+        # to_empty gives each module its own new parameter: tie the LM head to the embeddings
+        # again (FSDP2 keeps a tied parameter one, in the root group).
+        model.tie_weights()
 
 
 def _named_state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -189,7 +221,7 @@ def load_sharded_model(model_path: str, mesh: DeviceMesh, device: torch.device, 
     with torch.device("meta"):
         model = _build(config, options)
     model = shard_model(model, mesh, options, trainable=trainable)
-    model.to_empty(device=device)
+    _materialize(model, mesh, device, options)
     source = None
     if dist.get_rank() == 0:
         source = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32,
@@ -209,7 +241,7 @@ def init_random_sharded_model(config, mesh: DeviceMesh, device: torch.device, op
     with torch.device("meta"):
         model = _build(config, options)
     model = shard_model(model, mesh, options)
-    model.to_empty(device=device)
+    _materialize(model, mesh, device, options)
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -69,6 +69,10 @@ class GroupedExperts(nn.Module):
         counts = flat_experts.new_zeros(self.num_experts).scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = hidden_states[token_of_row]
+        if torch.is_autocast_enabled(rows.device.type):
+            # One unsharded rank trains under autocast, which leaves the residual stream (hence
+            # the normed input here) in fp32 and does not cover _grouped_mm.
+            rows = rows.to(torch.get_autocast_dtype(rows.device.type))
         gate, up = self._grouped(rows, self.gate_up_proj, offsets, counts).chunk(2, dim=-1)
         out = self._grouped(self.act_fn(gate) * up, self.down_proj, offsets, counts)
         out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
