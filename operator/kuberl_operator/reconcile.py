@@ -352,7 +352,8 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
     accepted = accepted_spec(job, observed) if ray_job is not None else None
     if accepted is not None and (accepted.get("rollout") or {}).get("replicas") != job.spec.rollout.replicas:
         # The spec in effect takes the new replicas, so that a restart runs with them.
-        objects = render(effective(), attempt=attempt, plan=plans.for_cluster(effective(), attempt))
+        in_effect = plans.for_cluster(effective(), attempt)  # the status describes the plan written now
+        objects = render(effective(), attempt=attempt, plan=in_effect)
         plan_apply += [obj for obj in objects if obj["kind"] == "ConfigMap"]
     if refused and "SpecChangeRefused" not in {c.type for c in (job.status.conditions if job.status else [])
                                               if c.status == "True"}:

@@ -241,6 +241,28 @@ def test_rollout_replicas_resize_live_scale_down_deletes_only_pods_without_a_liv
     assert "spec.rollout" in {c["type"]: c for c in refused.status["conditions"]}["SpecChangeRefused"]["message"]
 
 
+def _resizing(replicas: int, group_replicas: int, state: str = "ready", **status):
+    """A running job whose spec.rollout.replicas is ``replicas`` while its RayCluster's rollout group
+    (and the spec in effect) has ``group_replicas``."""
+    running = job(rollout={"replicas": group_replicas})
+    cluster = {**ray_cluster(state), "spec": {"workerGroupSpecs": [{"groupName": "trainer", "replicas": 1},
+                                                                   {"groupName": "rollout", "replicas": group_replicas}]}}
+    obs = observed(ray_job("tiny", deployment="Running"), config_map=config_map_of(running), ray_cluster=cluster)
+    return job(rollout={"replicas": replicas}, status=status or None), obs
+
+
+def test_status_after_a_resize_describes_the_plan_just_rendered():
+    """The reconcile that writes the new replicas into the spec in effect computes the status from
+    the plan it writes, not from the ConfigMap's plan it replaces (one rollout pod more here)."""
+    up, obs = _resizing(2, 1, state="")
+    plan = next_action(up, obs, NOW, SETTINGS)
+    [config] = plan.apply
+    written = plans.read(config["data"][PLAN_FILE])
+    assert written.layout.rollout_pods == 2
+    ready = {c["type"]: c for c in plan.status["conditions"]}["ClusterReady"]
+    assert f"0/{written.layout.expected_pods} pods running" in ready["message"]
+
+
 def test_each_new_recovery_the_driver_counted_is_one_event():
     running = observed(ray_job("tiny", deployment="Running"))
     counted = {"recoveries": {"trainer": {"count": 2, "lastSeconds": 36.5}, "engineLost": {"count": 1}}}
