@@ -30,6 +30,12 @@ ABORT_POLL_S = 0.2
 ABORT_CONNECT_TIMEOUT = datetime.timedelta(seconds=2)
 
 
+# Aborted groups, kept rather than destroyed: gloo's destructor joins its threads, and an operation
+# stuck on a live peer holds its thread until that peer's sockets close or the group's timeout
+# passes, so destroying the group would block the caller (a rebuild waited on it for ever).
+_ABORTED: list = []
+
+
 class SyncAborted(RuntimeError):
     """A member of the weight-sync group failed or was lost: the group was aborted on this member."""
 
@@ -95,13 +101,7 @@ class SyncGroup:
         next_look = time.monotonic() + ABORT_POLL_S
         while not work.is_completed():
             if time.monotonic() >= next_look:
-                try:
-                    cause = self.store.get(ABORT_KEY).decode() if self.store.check([ABORT_KEY]) else None
-                except (RuntimeError, OSError) as err:
-                    cause = f"the sync group's store is gone ({err})"
-                if cause is not None:
-                    self.abort()
-                    raise SyncAborted(f"weight sync aborted: {cause}")
+                self.check()
                 next_look = time.monotonic() + ABORT_POLL_S
             time.sleep(0.001)
         try:
@@ -109,6 +109,16 @@ class SyncGroup:
         except RuntimeError as err:
             self.fail(f"rank {self.rank}: {str(err).splitlines()[0]}")
             raise
+
+    def check(self) -> None:
+        """If the abort flag is up (or the store is gone): abort the group here, raise ``SyncAborted``."""
+        try:
+            cause = self.store.get(ABORT_KEY).decode() if self.store.check([ABORT_KEY]) else None
+        except (RuntimeError, OSError) as err:
+            cause = f"the sync group's store is gone ({err})"
+        if cause is not None:
+            self.abort()
+            raise SyncAborted(f"weight sync aborted: {cause}")
 
     def fail(self, cause: str) -> None:
         """This member failed in the group: raise the flag for the others, abort it here."""
@@ -124,6 +134,7 @@ class SyncGroup:
         if not self.aborted:
             self.aborted = True
             self.pg.abort()
+            _ABORTED.append(self.pg)
 
     def close(self) -> None:
         if not self.aborted:

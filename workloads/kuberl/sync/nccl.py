@@ -183,6 +183,7 @@ def broadcast_weights(worker, key: str, meta_list: list[ParamMeta], bucket_bytes
         try:
             if pending[slot] is not None:
                 group.wait(pending[slot])  # the broadcast that last read this buffer is done
+            group.check()  # no bucket into a group a member has given up on
             buf = slots[slot][:bucket.nbytes]
             pending[slot] = group.broadcast_async(pack(bucket, tensors, buf), root=0)
         except RuntimeError as err:  # SyncAborted, or the backend's own error (the flag is up then)
