@@ -33,8 +33,8 @@ from kuberl.api import types as t
 from kuberl.api.contract import CONFIG_FILE, PLAN_FILE, ROLE_LABEL, ROLLOUT_GROUP, ray_job_name
 from kuberl.job.render import render
 from kuberl_operator import observed as o
-from kuberl_operator.status import (FINISHED_PHASES, SUSPENDED, compute_status, current_workload_error,
-                                    finished_status)
+from kuberl_operator.status import (FINISHED_PHASES, ROLLOUT_SCALED, SUSPENDED, compute_status,
+                                    current_workload_error, finished_status)
 
 # camelCase spec fields (dotted paths) that may change while a job exists.
 MUTABLE_FIELDS = ("suspend", "backoffLimit", "ttlSecondsAfterFinished", "rollout.replicas")
@@ -51,6 +51,10 @@ class Settings:
     suspend_checkpoint_timeout_seconds: float = 600.0
     # How often to look again while it waits.
     suspend_poll_seconds: float = 2.0
+    # How long a scale-down of the rollout group waits for the driver to retire engines before the
+    # RolloutScaled condition says it is stuck. The driver does so at its next step boundary, so
+    # this is one step's time with room to spare: as long as a suspend waits for a step's checkpoint.
+    scale_down_timeout_seconds: float = 600.0
 
 
 @dataclass
@@ -175,6 +179,41 @@ def rollout_scale(job: t.RLTrainingJob, attempt: int, ray_cluster: dict[str, Any
                for key in ("minReplicas", "maxReplicas", "replicas")),
              {"op": "add", "path": f"{at}/scaleStrategy", "value": {"workersToDelete": to_delete}}]
     return patch
+
+
+# The RolloutScaled condition's reason once a scale-down has waited past its bound.
+DRIVER_NOT_REPORTING = "DriverNotReporting"
+
+
+def scale_down_wait(job: t.RLTrainingJob, attempt: int, ray_cluster: dict[str, Any] | None, now: datetime,
+                    settings: Settings) -> tuple[str, str, float | None] | None:
+    """While a scale-down of the running RayCluster's rollout group waits for the driver's report
+    (``rollout_scale``): the RolloutScaled condition's reason and message, and the seconds left
+    before the bound (None once past it: then the message names the cause and what to do). The
+    wait began when the condition turned False. None when no scale-down waits."""
+    group = rollout_group(ray_cluster)
+    wanted = job.spec.rollout.replicas
+    if job.spec.rollout.colocate or group is None or group[1] <= wanted:
+        return None
+    replicas = group[1]
+    status = job.status
+    since = next((c.last_transition_time for c in (status.conditions if status else [])
+                  if c.type == ROLLOUT_SCALED and c.status == "False"), now)
+    left = settings.scale_down_timeout_seconds - (now - since).total_seconds()
+    if left > 0:
+        return ("WaitingForDriver",
+                f"spec.rollout.replicas {replicas} -> {wanted}: waiting for the driver to retire engines at its next "
+                f"step boundary and report the pods they run in (status.rollout), at most "
+                f"{settings.scale_down_timeout_seconds:.0f} s", left)
+    reported = status.rollout if status else None
+    seen = (f"status.rollout says attempt {reported.attempt}, replicas {reported.replicas}" if reported
+            else "status.rollout is empty")
+    return (DRIVER_NOT_REPORTING,
+            f"spec.rollout.replicas {replicas} -> {wanted}: the driver of attempt {attempt} has not reported retiring "
+            f"engines within {settings.scale_down_timeout_seconds:.0f} s ({seen}), so the RayCluster keeps "
+            f"{replicas} rollout pods. The driver applies the change at a step boundary: if progress.step does not "
+            f"advance, read the driver's log (kubectl logs on the head pod); set spec.rollout.replicas back to "
+            f"{replicas} to withdraw the change. A restart (the next attempt) runs with {wanted}", None)
 
 
 def desired_objects(job: t.RLTrainingJob, observed: o.Observed, attempt: int | None = None, *,
@@ -338,8 +377,16 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
             events.append(Event("Normal", "Suspending" if job.spec.suspend else "Resuming",
                                 f"setting spec.suspend={str(job.spec.suspend).lower()} on RayJob {name}"))
     scale_cluster = None
+    scale_down = None
     if ray_job is not None and o.deployment_status(ray_job) == o.DEPLOYMENT_RUNNING and not job.spec.suspend:
         patch = rollout_scale(job, attempt, observed.ray_cluster, observed.pods)
+        if patch is None and (scale_down := scale_down_wait(job, attempt, observed.ray_cluster, now, settings)):
+            reason, message, left = scale_down
+            if left is not None:  # look again when the bound is reached, not only at the next resync
+                requeue = left if requeue is None else min(requeue, left)
+            elif not any(c.type == ROLLOUT_SCALED and c.reason == reason
+                         for c in (job.status.conditions if job.status else [])):
+                events.append(Event("Warning", reason, message))
         if patch is not None:
             cluster_name = observed.ray_cluster["metadata"]["name"]
             scale_cluster = (cluster_name, patch)
@@ -352,7 +399,8 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
     accepted = accepted_spec(job, observed) if ray_job is not None else None
     if accepted is not None and (accepted.get("rollout") or {}).get("replicas") != job.spec.rollout.replicas:
         # The spec in effect takes the new replicas, so that a restart runs with them.
-        objects = render(effective(), attempt=attempt, plan=plans.for_cluster(effective(), attempt))
+        in_effect = plans.for_cluster(effective(), attempt)  # the status describes the plan written now
+        objects = render(effective(), attempt=attempt, plan=in_effect)
         plan_apply += [obj for obj in objects if obj["kind"] == "ConfigMap"]
     if refused and "SpecChangeRefused" not in {c.type for c in (job.status.conditions if job.status else [])
                                               if c.status == "True"}:
@@ -363,7 +411,8 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
     pods = observed.pods if ray_job is not None else []
     status = compute_status(job, in_effect or plans.for_cluster(effective(), attempt), ray_job, cluster, pods, now,
                             attempt=status_attempt, refused=refused,
-                            restart_in=restart_in, suspend_wait=suspend_wait)
+                            restart_in=restart_in, suspend_wait=suspend_wait,
+                            scale_down_wait=scale_down[:2] if scale_down else None)
     recovered, posted = recovery_events(job.status)
     events += recovered
     if posted:

@@ -26,7 +26,9 @@ SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 SUSPENDED = "Suspended"
 SPEC_CHANGE_REFUSED = "SpecChangeRefused"
-CONDITION_TYPES = (STAGED, CLUSTER_READY, RUNNING, CHECKPOINTED, SUCCEEDED, FAILED, SUSPENDED, SPEC_CHANGE_REFUSED)
+ROLLOUT_SCALED = "RolloutScaled"
+CONDITION_TYPES = (STAGED, CLUSTER_READY, RUNNING, CHECKPOINTED, SUCCEEDED, FAILED, SUSPENDED, SPEC_CHANGE_REFUSED,
+                   ROLLOUT_SCALED)
 
 FINISHED_PHASES = ("Succeeded", "Failed")
 # Fields of status the operator owns (camelCase, as on the wire).
@@ -133,14 +135,16 @@ def current_workload_error(job: t.RLTrainingJob, attempt: int) -> t.WorkloadErro
 def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] | None,
                    ray_cluster: dict[str, Any] | None, pods: list[dict[str, Any]], now: datetime, *, attempt: int = 0,
                    refused: list[str] = (), restart_in: float | None = None,
-                   suspend_wait: str | None = None) -> dict[str, Any]:
+                   suspend_wait: str | None = None, scale_down_wait: tuple[str, str] | None = None) -> dict[str, Any]:
     """The operator's part of ``job.status`` (a merge patch), from the current attempt's RayJob,
     its RayCluster and pods.
 
     ``plan`` is the attempt's run plan (how many pods make the cluster); ``attempt`` is the attempt being run (status.restarts after a restart was decided);
     ``refused`` names spec fields whose change was refused; ``restart_in`` is set while the failed
     attempt waits for its backoff before the next one is created; ``suspend_wait`` says what a
-    suspend waits for before the cluster goes (the driver's checkpoint).
+    suspend waits for before the cluster goes (the driver's checkpoint); ``scale_down_wait`` is the
+    (reason, message) of a scale-down of the rollout group waiting for the driver
+    (``kuberl_operator.reconcile.scale_down_wait``).
     """
     spec = job.spec
     current = job.status or t.RLTrainingJobStatus()
@@ -250,6 +254,11 @@ def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] 
                                      f"the job to use the new ones"))
     else:
         conditions.append(_condition(SPEC_CHANGE_REFUSED, False, "NoChange", "the spec in effect is the spec given"))
+    if scale_down_wait is not None:
+        conditions.append(_condition(ROLLOUT_SCALED, False, *scale_down_wait))
+    else:
+        conditions.append(_condition(ROLLOUT_SCALED, True, "NoScaleDownPending",
+                                     "no scale-down of the rollout group waits for the driver"))
 
     out: dict[str, Any] = {
         "phase": phase,

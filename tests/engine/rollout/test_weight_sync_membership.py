@@ -99,3 +99,131 @@ def test_a_lost_engines_share_is_regenerated_and_its_replacement_serves_the_curr
         sync.sync(max(pool.weight_versions()) + 1)
         sync.close()
 
+
+
+def broadcast_and_kill(worker, victim, key, meta_list, bucket_bytes):
+    """On the stand-in trainer rank 0: the real ``broadcast_weights``, with ``victim`` killed once
+    the first bucket is through; the next bucket is sent only after the driver has seen the death
+    and raised the group's abort flag, so the collective is broken with buckets still to come."""
+    import time
+
+    from kuberl.sync import nccl
+    from kuberl.sync.group import ABORT_KEY
+
+    group = nccl._GROUPS[key]
+    first = group.broadcast_async
+
+    def then_kill(tensor, root=0):
+        work = first(tensor, root)
+        group.broadcast_async = first
+        group.wait(work)
+        ray.kill(victim)
+        deadline = time.monotonic() + 120
+        while not group.store.check([ABORT_KEY]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return work
+
+    group.broadcast_async = then_kill
+    return nccl.broadcast_weights(worker, key, meta_list, bucket_bytes)
+
+
+def write_and_kill(worker, victim, *args):
+    """On the stand-in trainer rank 0: the real ``write_snapshot``, then ``victim`` killed, so it
+    dies as the engines are told to load the snapshot."""
+    from kuberl.sync.snapshot import write_snapshot
+
+    paths = write_snapshot(worker, *args)
+    ray.kill(victim)
+    return paths
+
+
+class KillingTrainerGroup(StandInTrainerGroup):
+    """The stand-in trainer, whose next weight sync kills ``victim`` midway (once): after the first
+    broadcast bucket (nccl), or once the snapshot is written (checkpoint)."""
+
+    victim = None
+
+    def execute(self, fn, *args, **kwargs) -> list:
+        from kuberl.sync.nccl import broadcast_weights
+        from kuberl.sync.snapshot import write_snapshot
+
+        hooks = {broadcast_weights: broadcast_and_kill, write_snapshot: write_and_kill}
+        if fn in hooks and self.victim is not None:
+            victim, self.victim = self.victim, None
+            return ray.get([rank.execute.remote(hooks[fn], victim, *args) for rank in self.ranks])
+        return super().execute(fn, *args, **kwargs)
+
+
+def test_an_engine_lost_during_a_weight_sync_is_dropped_and_the_others_get_the_whole_version(
+        pool, tiny_model, caplog):
+    """Issue 34: an engine dies with a gloo weight sync half sent. The sync still returns: the
+    group is aborted on every member, rebuilt for the engine left, which gets the whole version
+    again (it had loaded half of it); the replacement joins at the next boundary, gets the same
+    version and serves, with the trainer's log-probs."""
+    import time
+
+    from kuberl.sync import make_weight_sync
+    from kuberl.sync.buckets import plan_buckets
+    from kuberl.sync.nccl import ABORT_GRACE_S
+
+    trainer = KillingTrainerGroup(tiny_model)
+    sync = make_weight_sync(make_spec(tiny_model, method="nccl"), trainer, pool)
+    sync.setup()
+    assert len(plan_buckets(sync.metas, sync.bucket_bytes)) >= 2, "one bucket: nothing left to send after the kill"
+    (original,) = pool.engines
+    try:
+        pool.resize(2)
+        assert pool.replenish(timeout=START_TIMEOUT) == 1, "the second engine did not start in time"
+        (victim,) = [e for e in pool.engines if e is not original]
+        assert sync.rebuild()
+        pool.take_counts()
+        version = max(pool.weight_versions()) + 1
+        trainer.perturb(11)
+        expected = trainer.log_probs([SEQUENCE])[0]
+        assert mean_abs_delta(ray.get(original.score.remote([SEQUENCE]))[0], expected) > 1e-2
+
+        trainer.victim = victim
+        started = time.monotonic()
+        stats = sync.sync(version)  # Driver._sync_weights: the step's sync, which must complete
+        seconds = time.monotonic() - started
+
+        assert stats.version == version and stats.bytes > 0
+        assert seconds < ABORT_GRACE_S, f"the sync took {seconds:.1f} s: the abort did not end the collective"
+        # The first try broke the collective: the engine left aborted its receive (the flag), then
+        # got the whole version in the second.
+        assert "lost during the weight sync of version" in caplog.text
+        assert "the receive failed on 1 of the others" in caplog.text and "weight sync aborted" in caplog.text
+        assert pool.engines == [original] and sync.members == (original,)
+        assert pool.take_counts() == {"engines_lost": 1.0, "engines_replaced": 0.0, "engines_live": 1.0}
+        assert pool.weight_versions() == [version]
+        assert mean_abs_delta(ray.get(original.score.remote([SEQUENCE]))[0], expected) <= 1e-3
+
+        # The next step boundary: the replacement joins, gets the current version, and serves.
+        assert pool.replenish(timeout=START_TIMEOUT) == 1, "the replacement did not start in time"
+        assert sync.rebuild()
+        sync.sync(version)
+        for per_engine in ray.get([e.score.remote([SEQUENCE]) for e in pool.engines]):
+            assert mean_abs_delta(per_engine[0], expected) <= 1e-3
+        groups = generate(pool)
+        check_batch(groups, version)
+        assert {s.metadata["engine"] for g in groups for s in g} == {0, 1}  # the replacement serves
+        print(f"\nsync with an engine killed midway: {seconds:.1f} s (abort, rebuild, full resend)")
+
+        # The snapshot transport: each engine loads on its own, so the one killed as the snapshot
+        # is loaded is dropped and the other has the whole version (no resend). No engine start.
+        snapshot = make_weight_sync(make_spec(tiny_model, method="checkpoint"), trainer, pool)
+        snapshot.setup()
+        trainer.perturb(12)
+        trainer.victim = [e for e in pool.engines if e is not original][0]
+        assert snapshot.sync(version + 1).version == version + 1
+        assert pool.engines == [original] and pool.weight_versions() == [version + 1]
+        assert mean_abs_delta(ray.get(original.score.remote([SEQUENCE]))[0],
+                              trainer.log_probs([SEQUENCE])[0]) <= 1e-3
+        ray.get(trainer.ranks[0].perturb.remote(12, -0.05))
+    finally:
+        pool.resize(1)
+        assert pool.engines == [original]
+        ray.get(trainer.ranks[0].perturb.remote(11, -0.05))
+        sync.rebuild()
+        sync.sync(max(pool.weight_versions()) + 1)
+        sync.close()

@@ -241,6 +241,67 @@ def test_rollout_replicas_resize_live_scale_down_deletes_only_pods_without_a_liv
     assert "spec.rollout" in {c["type"]: c for c in refused.status["conditions"]}["SpecChangeRefused"]["message"]
 
 
+def _resizing(replicas: int, group_replicas: int, state: str = "ready", **status):
+    """A running job whose spec.rollout.replicas is ``replicas`` while its RayCluster's rollout group
+    (and the spec in effect) has ``group_replicas``."""
+    running = job(rollout={"replicas": group_replicas})
+    cluster = {**ray_cluster(state), "spec": {"workerGroupSpecs": [{"groupName": "trainer", "replicas": 1},
+                                                                   {"groupName": "rollout", "replicas": group_replicas}]}}
+    obs = observed(ray_job("tiny", deployment="Running"), config_map=config_map_of(running), ray_cluster=cluster)
+    return job(rollout={"replicas": replicas}, status=status or None), obs
+
+
+def test_a_scale_down_the_driver_never_reports_ends_in_a_condition_naming_the_cause():
+    """The operator lowers the rollout group only after the driver reports the engines it retired;
+    a driver that never does (stuck in a step, or gone) must not leave the job at the larger size
+    with nothing said: past Settings.scale_down_timeout_seconds the RolloutScaled condition names
+    the cause and what to do, with one Warning event."""
+    bound = SETTINGS.scale_down_timeout_seconds
+    down, obs = _resizing(1, 2)
+    waiting = next_action(down, obs, NOW, SETTINGS)
+    assert waiting.scale_cluster is None and waiting.requeue_after == bound  # looked at again at the bound
+    scaled = {c["type"]: c for c in waiting.status["conditions"]}["RolloutScaled"]
+    assert (scaled["status"], scaled["reason"]) == ("False", "WaitingForDriver")
+
+    # Later, no report yet: the wait began when the condition turned False.
+    later = NOW + timedelta(seconds=bound - 100)
+    down, obs = _resizing(1, 2, conditions=waiting.status["conditions"])
+    assert next_action(down, obs, later, SETTINGS).requeue_after == 100
+
+    stuck_at = NOW + timedelta(seconds=bound + 1)
+    stuck = next_action(down, obs, stuck_at, SETTINGS)
+    scaled = {c["type"]: c for c in stuck.status["conditions"]}["RolloutScaled"]
+    assert (scaled["status"], scaled["reason"]) == ("False", "DriverNotReporting")
+    assert scaled["lastTransitionTime"] == waiting.status["conditions"][-1]["lastTransitionTime"]
+    assert "spec.rollout.replicas 2 -> 1" in scaled["message"] and "status.rollout is empty" in scaled["message"]
+    assert "set spec.rollout.replicas back to 2" in scaled["message"]
+    assert [e.type for e in stuck.events if e.reason == "DriverNotReporting"] == ["Warning"]
+    assert stuck.scale_cluster is None  # still no pod deleted that may hold the only live engine
+    # Said once: the next reconcile posts no second event.
+    down, obs = _resizing(1, 2, conditions=stuck.status["conditions"])
+    assert not [e for e in next_action(down, obs, stuck_at, SETTINGS).events if e.reason == "DriverNotReporting"]
+
+    # The driver reports at last: the group is lowered and the condition clears.
+    retired = {"attempt": 0, "replicas": 1, "enginePods": []}
+    down, obs = _resizing(1, 2, conditions=stuck.status["conditions"], rollout=retired)
+    done = next_action(down, obs, stuck_at, SETTINGS)
+    assert done.scale_cluster is not None
+    scaled = {c["type"]: c for c in done.status["conditions"]}["RolloutScaled"]
+    assert (scaled["status"], scaled["reason"]) == ("True", "NoScaleDownPending")
+
+
+def test_status_after_a_resize_describes_the_plan_just_rendered():
+    """The reconcile that writes the new replicas into the spec in effect computes the status from
+    the plan it writes, not from the ConfigMap's plan it replaces (one rollout pod more here)."""
+    up, obs = _resizing(2, 1, state="")
+    plan = next_action(up, obs, NOW, SETTINGS)
+    [config] = plan.apply
+    written = plans.read(config["data"][PLAN_FILE])
+    assert written.layout.rollout_pods == 2
+    ready = {c["type"]: c for c in plan.status["conditions"]}["ClusterReady"]
+    assert f"0/{written.layout.expected_pods} pods running" in ready["message"]
+
+
 def test_each_new_recovery_the_driver_counted_is_one_event():
     running = observed(ray_job("tiny", deployment="Running"))
     counted = {"recoveries": {"trainer": {"count": 2, "lastSeconds": 36.5}, "engineLost": {"count": 1}}}

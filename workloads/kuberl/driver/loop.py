@@ -13,7 +13,9 @@ while the trainer trains (``kuberl.driver.schedule`` orders generation, training
 Everything a resumed run needs is in the checkpoint (trainer state, step, weight version, and the
 rollout generated but not yet trained on), so a resumed run continues exactly where it stopped.
 A rollout engine lost mid-step costs no step: the pool regenerates its share on the engines left,
-and a replacement joins at a step boundary with the current weights (``_replenish_engines``).
+and a replacement joins at a step boundary with the current weights (``_replenish_engines``). One
+lost during a weight sync costs none either: the sync drops it, rebuilds its group for the engines
+left and sends them the whole version again (``kuberl.sync.base.WeightSync.sync``).
 A trainer rank lost mid-run costs the steps since the newest checkpoint, not the attempt: a new
 trainer group restores that checkpoint and the engines, still up, get its weights
 (``_recover_trainer``). A change of spec.rollout.replicas (``kubectl patch``) resizes the engine
@@ -454,7 +456,8 @@ class Driver:
 
     def _sync_weights(self, version: int):
         """The weights of ``version`` to every live engine, the sync's group first rebuilt if an
-        engine was lost or joined since it was set up."""
+        engine was lost or joined since it was set up; an engine lost during the sync is dropped
+        and the rest get the version again (``WeightSync.sync``)."""
         if self.weight_sync.rebuild():
             log.info("weight sync rebuilt for %d live rollout engines", len(self.engines.engines))
         return self.weight_sync.sync(version)

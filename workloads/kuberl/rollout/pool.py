@@ -177,7 +177,7 @@ class EnginePool:
     def pods(self) -> list[str]:
         """The pods (host names) the live engines run in: in a KubeRay cluster, the rollout pods a
         scale-down must keep. Engines found dead are dropped."""
-        return sorted(set(self._each("pod")))
+        return sorted(set(self.each("pod")))
 
     def replenish(self, timeout: float = 0.0) -> int:
         """At a step boundary: start an engine for each one missing from ``wanted`` (not already
@@ -228,11 +228,15 @@ class EnginePool:
         self.replacement_seconds = []
         return counts
 
-    def _each(self, method: str) -> list:
-        """``method`` on every live engine; engines found dead are dropped."""
-        refs = [(engine, getattr(engine, method).remote()) for engine in self.engines]
+    def each(self, method: str, *args) -> list:
+        """``method(*args)`` on every live engine; engines found dead are dropped."""
+        return self.results([(engine, getattr(engine, method).remote(*args)) for engine in self.engines])
+
+    def results(self, calls: list[tuple[object, object]]) -> list:
+        """The results of (engine, ref) calls, each engine's in order; engines found dead are dropped
+        (``EnginesLost`` if none is left), another error is raised."""
         out = []
-        for engine, ref in refs:
+        for engine, ref in calls:
             try:
                 out.append(ray.get(ref))
             except ray.exceptions.RayActorError as err:
@@ -274,13 +278,13 @@ class EnginePool:
         return batch.result()
 
     def weight_versions(self) -> list[int]:
-        return self._each("weight_version")
+        return self.each("weight_version")
 
     def sleep(self) -> None:
-        self._each("sleep")
+        self.each("sleep")
 
     def wake_up(self) -> None:
-        self._each("wake_up")
+        self.each("wake_up")
 
     def serve(self, tokenizer, host: str = "127.0.0.1", port: int = 0, episodes=None) -> str:
         """Start the OpenAI/Anthropic endpoint in a background thread; returns its base URL.

@@ -4,7 +4,15 @@
 from __future__ import annotations
 
 import abc
+import logging
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+class EnginesLostInSync(RuntimeError):
+    """Rollout engines died during a sync (already dropped from the pool); the engines left may
+    hold part of the new weights (a collective's), so they need the whole version again."""
 
 
 @dataclass
@@ -68,9 +76,24 @@ class WeightSync(abc.ABC):
             raise RuntimeError(f"{type(self).__name__}.setup() must run before sync()")
         return self._metas
 
-    @abc.abstractmethod
     def sync(self, version: int) -> SyncStats:
-        """Send the weights; engines pause, load, reset their prefix cache, resume at ``version``."""
+        """Send the weights; engines pause, load, reset their prefix cache, resume at ``version``.
+
+        An engine lost during the sync is dropped from the pool (a replacement joins at a step
+        boundary, ``EnginePool.replenish``) and the sync is rebuilt for the engines left, which
+        get the whole version again. Bounded: every retry follows at least one engine dropped,
+        and the pool raises ``EnginesLost`` once none is left."""
+        while True:
+            try:
+                return self.send(version)
+            except EnginesLostInSync as lost:
+                logger.warning("%s; rebuilding the weight sync for the %d engines left and sending "
+                               "version %d to them again", lost, len(self.engine_pool.engines), version)
+                self.rebuild()
+
+    @abc.abstractmethod
+    def send(self, version: int) -> SyncStats:
+        """One try of ``sync``; ``EnginesLostInSync`` if engines died and the rest need a resend."""
 
     def close(self) -> None:
         """Release what ``setup`` created."""
@@ -81,9 +104,7 @@ class EngineInfo:
     tensor-parallel sizes."""
 
     def __init__(self, engine_pool):
-        import ray
-
-        infos = ray.get([engine.sync_info.remote() for engine in engine_pool.engines])
+        infos = engine_pool.each("sync_info")
         dtypes = {info["dtype"] for info in infos}
         if len(dtypes) != 1:
             raise RuntimeError(f"rollout engines disagree on the model dtype: {sorted(dtypes)}")

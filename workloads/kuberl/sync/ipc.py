@@ -57,20 +57,18 @@ class IpcWeightSync(WeightSync):
         super().__init__(spec, trainer_group, engine_pool)
         self.key = f"ipc-{uuid.uuid4().hex[:8]}"
 
-    def sync(self, version: int) -> SyncStats:
+    def send(self, version: int) -> SyncStats:
+        """Each engine loads from the handles on its own: one that dies while loading is dropped,
+        and the others have loaded the whole version."""
         meta_list = self.metas
-        import ray
-
-        engines = self.engine_pool.engines
         start = time.perf_counter()
         try:
             # Every bucket stays shared until the engines have loaded them all: the trainer GPUs
             # briefly hold one extra copy of the weights (in the engine's dtype).
             handles = [dict(self.trainer_group.execute(share_bucket, f"{self.key}-{i}", bucket))
                        for i, bucket in enumerate(plan_buckets(meta_list, self.bucket_bytes))]
-            loaded = ray.get([engine.update_weights.remote(
-                "kuberl_load_ipc", (handles, to_wire(meta_list), self.bucket_bytes), version)
-                for engine in engines])
+            loaded = self.engine_pool.each("update_weights", "kuberl_load_ipc",
+                                           (handles, to_wire(meta_list), self.bucket_bytes), version)
         finally:
             self.trainer_group.execute(release_shared, f"{self.key}-")
         return SyncStats(version, min(min(r) for r in loaded), time.perf_counter() - start)

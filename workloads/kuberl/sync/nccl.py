@@ -17,15 +17,20 @@ from collections.abc import Iterator
 
 import torch
 
-from kuberl.sync.base import SyncStats, WeightSync
+from kuberl.sync.base import EnginesLostInSync, SyncStats, WeightSync
 from kuberl.sync.buckets import ParamMeta, from_wire, pack, plan_buckets, to_wire, unpack
-from kuberl.sync.group import SyncGroup, node_ip, open_store
+from kuberl.sync.group import SyncAborted, SyncGroup, node_ip, open_store, raise_abort
 from kuberl.sync.params import iter_buckets
 
 _STORES: dict[str, object] = {}
 _GROUPS: dict[str, SyncGroup] = {}
 # How often the driver, waiting for the engines to receive a sync, looks whether the senders failed.
 SENDER_POLL_S = 1.0
+# After a member of the sync failed, how long the others may take to leave the group. Members
+# abort within ABORT_POLL_S (kuberl.sync.group) of the flag, and Ray reports a dead actor within
+# seconds; this bounds only a member stuck elsewhere (an engine not running its RPCs, a lost node
+# Ray has not yet declared dead): such an engine is killed and dropped like a lost one.
+ABORT_GRACE_S = 30.0
 
 
 # --- driver ---------------------------------------------------------------------------------
@@ -35,13 +40,16 @@ class NcclWeightSync(WeightSync):
 
     The group spans trainer rank 0 (sync rank 0) and each engine's tensor-parallel workers
     (ranks 1..). NCCL when the trainer has GPUs, gloo on CPU. All trainer ranks join the FSDP2
-    gathers; only rank 0 sends.
+    gathers; only rank 0 sends. An engine lost mid-sync leaves the others in a broken collective:
+    the group is aborted on every member (``SyncGroup.wait``), and ``EnginesLostInSync`` has
+    ``WeightSync.sync`` rebuild it for the engines left and send them the whole version again.
     """
 
     def __init__(self, spec, trainer_group, engine_pool, *, backend: str | None = None):
         super().__init__(spec, trainer_group, engine_pool)
         self.backend = backend or ("nccl" if spec.trainer.gpus_per_replica > 0 else "gloo")
         self.key = f"nccl-{uuid.uuid4().hex[:8]}"
+        self.store_address: tuple[str, int] | None = None  # the group's store (trainer rank 0)
 
     def setup(self) -> None:
         super().setup()
@@ -49,7 +57,7 @@ class NcclWeightSync(WeightSync):
         import ray
 
         world_size = 1 + sum(info.tp_sizes)
-        host, port = self.trainer_group.execute(open_sync_store, self.key)[0]
+        host, port = self.store_address = self.trainer_group.execute(open_sync_store, self.key)[0]
         first_ranks = [1 + sum(info.tp_sizes[:i]) for i in range(len(info.tp_sizes))]
         joins = [engine.rpc.remote("kuberl_join_group", host, port, first, world_size, self.backend)
                  for engine, first in zip(self.engine_pool.engines, first_ranks)]
@@ -57,28 +65,62 @@ class NcclWeightSync(WeightSync):
                                    self.backend)
         ray.get(joins)
 
-    def sync(self, version: int) -> SyncStats:
+    def send(self, version: int) -> SyncStats:
         meta_list = self.metas
         import ray
 
         start = time.perf_counter()
-        receives = [engine.update_weights.remote("kuberl_receive", (to_wire(meta_list), self.bucket_bytes),
-                                                 version)
-                    for engine in self.engine_pool.engines]
-        # The trainers send from a thread so that an engine failing to receive surfaces here at
-        # once (the senders then stop at the group's timeout) instead of blocking the driver; and
-        # the senders failing (a trainer rank lost mid-sync) surfaces at once too: the engines
-        # would wait for the next bucket until the group's timeout.
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            sending = pool.submit(self.trainer_group.execute, broadcast_weights, self.key,
+        calls = {engine.update_weights.remote("kuberl_receive", (to_wire(meta_list), self.bucket_bytes),
+                                              version): engine
+                 for engine in self.engine_pool.engines}
+        # The trainers send from a thread, so that a failure on either side (an engine lost, a
+        # trainer rank lost) is seen here at once: the driver then raises the group's abort flag
+        # and every member leaves the collective instead of waiting for the dead one.
+        executor = concurrent.futures.ThreadPoolExecutor(1)
+        sending = executor.submit(self.trainer_group.execute, broadcast_weights, self.key,
                                   meta_list, self.bucket_bytes)
-            pending = receives
-            while pending:
-                _, pending = ray.wait(pending, num_returns=len(pending), timeout=SENDER_POLL_S)
-                if sending.done() and sending.exception() is not None:
-                    raise sending.exception()
-            received = ray.get(receives)
-            sending.result()
+        executor.shutdown(wait=False)
+        received, lost, failed = [], [], []
+        pending, deadline = list(calls), None
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=SENDER_POLL_S)
+            for ref in ready:
+                try:
+                    received.append(ray.get(ref))
+                except ray.exceptions.RayActorError as err:
+                    self.engine_pool.drop(calls[ref], err)
+                    lost.append(calls[ref])
+                except ray.exceptions.RayError as err:
+                    failed.append(err)
+            sender_error = sending.exception() if sending.done() else None
+            if deadline is None and (lost or failed or sender_error is not None):
+                raise_abort(*self.store_address, f"a member failed during the sync of version {version}")
+                deadline = time.monotonic() + ABORT_GRACE_S
+            if sender_error is not None and not isinstance(sender_error, ray.exceptions.RayTaskError):
+                raise sender_error  # the trainer group's own failure (a rank lost), not the sender code's
+            if deadline is not None and time.monotonic() > deadline:
+                for ref in pending:  # still in the aborted collective: not to be trusted with weights
+                    engine = calls[ref]
+                    ray.kill(engine)
+                    self.engine_pool.drop(engine, TimeoutError(
+                        f"still in the aborted weight sync {ABORT_GRACE_S:.0f} s after it failed; killed"))
+                    lost.append(engine)
+                break
+        try:
+            sending.result(timeout=ABORT_GRACE_S)
+        except concurrent.futures.TimeoutError:
+            raise RuntimeError(f"trainer rank 0 did not leave the aborted weight-sync group within "
+                               f"{ABORT_GRACE_S:.0f} s") from None
+        except ray.exceptions.RayTaskError:
+            if not lost:  # the sender's own failure, not an engine's loss
+                raise
+        if lost:
+            aborted = (f"; the receive failed on {len(failed)} of the others ({first_line(failed[0])})" if failed
+                       else "")
+            raise EnginesLostInSync(f"{len(lost)} rollout engine(s) lost during the weight sync of version "
+                                    f"{version}{aborted}")
+        if failed:
+            raise failed[0]
         return SyncStats(version, min(min(r) for r in received), time.perf_counter() - start)
 
     def close(self) -> None:
@@ -86,9 +128,13 @@ class NcclWeightSync(WeightSync):
         self.trainer_group.execute(leave_sync_group, self.key)
 
     def leave_engines(self) -> None:
-        import ray
+        self.engine_pool.each("rpc", "kuberl_leave_group")
 
-        ray.get([engine.rpc.remote("kuberl_leave_group") for engine in self.engine_pool.engines])
+
+def first_line(err: BaseException) -> str:
+    """The innermost cause's first line (a Ray task error wraps the remote one in its traceback)."""
+    cause = getattr(err, "cause", None) or err
+    return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
 
 
 # --- sender: on every trainer rank -----------------------------------------------------------
@@ -117,7 +163,9 @@ def leave_sync_group(worker, key: str) -> None:
 def broadcast_weights(worker, key: str, meta_list: list[ParamMeta], bucket_bytes: int) -> int:
     """All ranks gather each bucket (FSDP2 collective); rank 0 packs and broadcasts it.
 
-    Two bucket buffers alternate, so packing bucket i overlaps the broadcast of bucket i-1.
+    Two bucket buffers alternate, so packing bucket i overlaps the broadcast of bucket i-1. If the
+    sync group fails (a member lost, the abort flag up), rank 0 stops sending but goes on through
+    the gathers, which the other ranks are in too, and then raises ``SyncAborted``.
     """
     group = _GROUPS.get(key)
     if worker.rank == 0 and group is None:
@@ -127,19 +175,30 @@ def broadcast_weights(worker, key: str, meta_list: list[ParamMeta], bucket_bytes
     slots = [torch.empty(max(b.nbytes for b in buckets), dtype=torch.uint8, device=device)
              for _ in range(min(2, len(buckets)))] if worker.rank == 0 else []
     pending: list = [None] * len(slots)
-    sent = 0
+    sent, failure = 0, None
     for i, (bucket, tensors) in enumerate(iter_buckets(worker.model, buckets, device)):
-        if worker.rank != 0:
+        if worker.rank != 0 or failure is not None:
             continue
         slot = i % len(slots)
-        if pending[slot] is not None:
-            pending[slot].wait()  # the broadcast that last read this buffer is done
-        buf = slots[slot][:bucket.nbytes]
-        pending[slot] = group.broadcast_async(pack(bucket, tensors, buf), root=0)
+        try:
+            if pending[slot] is not None:
+                group.wait(pending[slot])  # the broadcast that last read this buffer is done
+            group.check()  # no bucket into a group a member has given up on
+            buf = slots[slot][:bucket.nbytes]
+            pending[slot] = group.broadcast_async(pack(bucket, tensors, buf), root=0)
+        except RuntimeError as err:  # SyncAborted, or the backend's own error (the flag is up then)
+            failure = f"bucket {i} of {len(buckets)}: {str(err).splitlines()[0]}"
+            continue
         sent += sum(meta.nbytes for meta in bucket.metas)
-    for work in pending:
-        if work is not None:
-            work.wait()
+    if failure is None:
+        try:
+            for work in pending:
+                if work is not None:
+                    group.wait(work)
+        except RuntimeError as err:
+            failure = f"the last buckets: {str(err).splitlines()[0]}"
+    if failure is not None:
+        raise SyncAborted(f"trainer rank 0 stopped sending the weights at {failure}")
     return sent
 
 
@@ -174,13 +233,13 @@ def _received(group: SyncGroup, buckets, device: torch.device) -> Iterator[tuple
         buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
         work = group.broadcast_async(buf, root=0)
         if pending is not None:
-            yield from _finish(*pending)
+            yield from _finish(group, *pending)
         pending = (bucket, buf, work)
     if pending is not None:
-        yield from _finish(*pending)
+        yield from _finish(group, *pending)
 
 
-def _finish(bucket, buf: torch.Tensor, work) -> list[tuple[str, torch.Tensor]]:
-    work.wait()
+def _finish(group: SyncGroup, bucket, buf: torch.Tensor, work) -> list[tuple[str, torch.Tensor]]:
+    group.wait(work)
     return unpack(bucket, buf)
 

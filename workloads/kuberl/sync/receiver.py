@@ -36,6 +36,11 @@ class WeightReceiver(NcclReceiver, SnapshotReceiver, IpcReceiver):
         counted = _Counted(weights)
         self.model_runner.reload_weights(weights_iterator=iter(counted), is_checkpoint_format=True)
         self._kuberl_refresh_cpu_kernels()
+        if counted.error is not None:
+            # The stream broke (a sync aborted): it ended early instead of raising inside vLLM's
+            # reload, which then finished with what came (part new, part old weights, but a
+            # model that reloads again; an exception midway left one that could not). Now raise.
+            raise counted.error
         return counted.nbytes
 
     def _kuberl_refresh_cpu_kernels(self) -> None:
@@ -56,10 +61,15 @@ class WeightReceiver(NcclReceiver, SnapshotReceiver, IpcReceiver):
 
 
 class _Counted:
+    """The weights stream, counted; an error in it ends the stream and is kept in ``error``."""
+
     def __init__(self, weights):
-        self.weights, self.nbytes = weights, 0
+        self.weights, self.nbytes, self.error = weights, 0, None
 
     def __iter__(self):
-        for name, tensor in self.weights:
-            self.nbytes += tensor.numel() * tensor.element_size()
-            yield name, tensor
+        try:
+            for name, tensor in self.weights:
+                self.nbytes += tensor.numel() * tensor.element_size()
+                yield name, tensor
+        except Exception as err:  # noqa: BLE001 - raised by _kuberl_load once vLLM's reload is done
+            self.error = err
