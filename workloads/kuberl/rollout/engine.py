@@ -151,6 +151,13 @@ class RolloutEngine:
         if devices is not None:
             # Before vLLM starts its workers, which inherit it.
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+        if not spec.rollout.gpus_per_replica:
+            # vLLM's CPU worker pins itself (and its OpenMP threads) to the node's cores but one,
+            # the same cores for every engine of the node: on a small node every engine ran on
+            # core 0, and a second engine starting beside a busy one was starved for minutes
+            # (tests/e2e/test_resize_in_pods.py's join, CI of 2026-11-26). The kernel schedules
+            # them instead; rollout.env may still set a binding.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from kuberl.common.metrics import start_pod_exporter
