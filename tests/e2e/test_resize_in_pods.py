@@ -170,11 +170,6 @@ def event_reasons(product, job: str) -> set[str]:
 
 
 @pytest.mark.timeout(3000)
-@pytest.mark.skip(reason="issue 34, open: an engine lost during a weight sync ends the attempt. Both runs of this test "
-                         "(2026-11-26 06:44 and 07:16 UTC, the kept driver logs) killed the pod just after a step "
-                         "ended and it died in the next step's sync: the trainer's gloo broadcast failed "
-                         "(Connection closed by peer, the killed pod's IP, kuberl/sync/nccl.py broadcast_weights). "
-                         "Un-skip with the engine-side fix (the sync34 branch)")
 def test_a_rollout_pod_killed_mid_generation_costs_no_step_and_its_replacement_serves(product):
     job = "rollout-kill"
     product.apply(long_job(job, 2))
