@@ -514,9 +514,11 @@ class RolloutSpec(APIModel):
         """The engines' context (vLLM's max_model_len): the shared budget, or both lengths."""
         return self.max_total_length or self.max_prompt_length + self.max_response_length
 
-    def response_limit(self, prompt_tokens: int) -> int:
-        """The most tokens a response to a prompt of ``prompt_tokens`` tokens may have."""
-        return min(self.max_response_length, self.context_length() - prompt_tokens)
+    def response_limit(self, prompt_tokens: int, max_tokens: int | None = None) -> int:
+        """The most tokens a response to a prompt of ``prompt_tokens`` tokens may have: what the
+        context leaves, up to ``max_tokens`` (a request's or validation's; default maxResponseLength)."""
+        cap = self.max_response_length if max_tokens is None else max_tokens
+        return min(cap, self.context_length() - prompt_tokens)
 
 
 class WeightSyncSpec(APIModel):

@@ -46,7 +46,7 @@ class Validator:
         self.reward_fn = reward_fn
         self.prompt_ids = prompt_ids
         self.max_tokens = spec.max_response_length or rollout.max_response_length
-        self.context_length = rollout.context_length()  # the engines' cap on prompt + response
+        self.rollout = rollout  # the engines' context caps each response below max_tokens
         self.seed = seed
         # With spec.agent: validation runs episodes (kuberl.rollout.agents.episodes.AgentRollout)
         # under the validation's sampling, and the episodes' rewards replace reward_fn's.
@@ -93,7 +93,7 @@ class Validator:
                     prompt=prompt.text, response=self.tokenizer.decode(sample.response_ids, skip_special_tokens=True),
                     answer=prompt.answer, data_source=prompt.data_source, extra_info=prompt.extra_info,
                     prompt_tokens=len(sample.prompt_ids), response_tokens=len(sample.response_ids),
-                    max_response_tokens=min(self.max_tokens, self.context_length - len(sample.prompt_ids)),
+                    max_response_tokens=self.rollout.response_limit(len(sample.prompt_ids), self.max_tokens),
                     finish_reason=sample.finish_reason, group=index))
                 group_of.append(index)
         return self.reward_fn(inputs), [x.response_tokens for x in inputs], group_of

@@ -223,7 +223,7 @@ class RolloutEngine:
             raise RequestRefused(where, f"{len(prompt_ids)} prompt tokens + max_tokens {max_tokens} exceed "
                                         f"the engine's context of {self.max_model_len} "
                                         f"(rollout.maxPromptLength + rollout.maxResponseLength)")
-        return min(max_tokens, self.max_model_len - len(prompt_ids))
+        return self.rollout.response_limit(len(prompt_ids), max_tokens)
 
     async def generate(self, prompts: list[list[int]], n: int, *, temperature: float, max_tokens: int,
                        seed: int | None = None, group_offset: int = 0, top_p: float = 1.0, top_k: int = -1,
