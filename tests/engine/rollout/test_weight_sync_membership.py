@@ -37,6 +37,18 @@ def check_batch(groups, version: int) -> None:
             assert sample.weight_version == version
 
 
+def restore_the_session(pool, original, trainer, sync, *, noise_seed: int) -> None:
+    """Back to the session's one engine and initial weights for its other tests: the extra engines
+    go, the noise a test added (``perturb(noise_seed, 0.05)``) is subtracted, and the engine left
+    gets those weights."""
+    pool.resize(1)
+    assert pool.engines == [original]
+    ray.get(trainer.ranks[0].perturb.remote(noise_seed, -0.05))
+    sync.rebuild()
+    sync.sync(max(pool.weight_versions()) + 1)
+    sync.close()
+
+
 def test_a_lost_engines_share_is_regenerated_and_its_replacement_serves_the_current_weights(pool, tiny_model):
     from kuberl.sync import make_weight_sync
 
@@ -91,13 +103,7 @@ def test_a_lost_engines_share_is_regenerated_and_its_replacement_serves_the_curr
         assert counts.pop("engine_replacement_seconds") > 0  # from the kill to the replacement joined
         assert counts == {"engines_lost": 0.0, "engines_replaced": 1.0, "engine_replacements": 1.0, "engines_live": 2.0}
     finally:
-        pool.resize(1)
-        assert pool.engines == [original]
-        # Back to the initial weights for the session's other tests: the same noise, subtracted.
-        ray.get(trainer.ranks[0].perturb.remote(5, -0.05))
-        sync.rebuild()
-        sync.sync(max(pool.weight_versions()) + 1)
-        sync.close()
+        restore_the_session(pool, original, trainer, sync, noise_seed=5)
 
 
 
@@ -221,9 +227,4 @@ def test_an_engine_lost_during_a_weight_sync_is_dropped_and_the_others_get_the_w
                               trainer.log_probs([SEQUENCE])[0]) <= 1e-3
         ray.get(trainer.ranks[0].perturb.remote(12, -0.05))
     finally:
-        pool.resize(1)
-        assert pool.engines == [original]
-        ray.get(trainer.ranks[0].perturb.remote(11, -0.05))
-        sync.rebuild()
-        sync.sync(max(pool.weight_versions()) + 1)
-        sync.close()
+        restore_the_session(pool, original, trainer, sync, noise_seed=11)
