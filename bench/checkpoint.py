@@ -47,13 +47,14 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
+
+from kuberl.common.ports import unclaimed_port
 
 GOAL = 0.2
 
@@ -108,12 +109,6 @@ def mount_of(path: Path) -> str:
             rota = flag.read_text().strip()
             break
     return f"{best[0]} {best[2]} (rotational={rota})"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_state(size_bytes: int, dim: int):
@@ -229,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
 
     own_group = not dist.is_initialized()
     if own_group:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{unclaimed_port()}", rank=0,
                                 world_size=1)
     elif dist.get_world_size() != 1:
         raise SystemExit("run this benchmark in a process without a multi-rank process group")

@@ -36,7 +36,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from kuberl.common.ports import unclaimed_port
 
 ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
        "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
@@ -70,12 +71,6 @@ def go_binary(name: str, go_args: list[str], built_name: str) -> Path:
                        check=True)
         os.replace(Path(tmp) / built_name, target)
     return target
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(endpoint: str, procs: list[subprocess.Popen]) -> None:
@@ -126,7 +121,7 @@ def s3_server(link: str, rtt_ms: float, cap_mbit: int):
     procs: list[subprocess.Popen] = []
     with contextlib.ExitStack() as stack:
         if link == "loopback":
-            port = free_port()
+            port = unclaimed_port()
             inside, endpoint = (lambda cmd: cmd), f"http://127.0.0.1:{port}"
             server_addr = f"127.0.0.1:{port}"
         else:

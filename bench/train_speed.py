@@ -21,7 +21,6 @@ import gc
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from kuberl.common.ports import unclaimed_port
 from kuberl.common.samples import Sample, TrainBatch
 from kuberl.train.logprobs import chunked_logprobs_entropy, full_logprobs_entropy
 from kuberl.train.model import ModelOptions
@@ -205,9 +205,7 @@ def logprob_memory(preset: dict, device: torch.device) -> list[dict]:
 def _init_single_process_env() -> None:
     if "RANK" in os.environ:
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unclaimed_port()
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 

@@ -20,8 +20,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kuberl.common.ports import unclaimed_port
+
 from tests.e2e.evidence import PodLogs
-from tests.harness.harness import REPO_ROOT, Cluster, free_port
+from tests.harness.harness import REPO_ROOT, Cluster
 from tests.harness.helpers import get_json, wait_for
 from tests.harness.images import public_name
 from tests.tiers import tier_marker
@@ -147,7 +149,7 @@ def product(real_cluster, tmp_path_factory):
 
     cluster = real_cluster
     cluster.load_images(("operator", "worker-cpu"))
-    port = free_port()
+    port = unclaimed_port()
     url = cluster.serve_in_network("s3", [sys.executable, "-m", "moto.server", "-H", "0.0.0.0", "-p", str(port)],
                                    port, NAMESPACE)
     host_env = {**S3_CREDENTIALS, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}"}

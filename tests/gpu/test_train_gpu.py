@@ -5,11 +5,12 @@ checkpointing, plus a forced non-finite step that leaves every rank's state unto
 from __future__ import annotations
 
 import math
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from kuberl.common.ports import unclaimed_port
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -39,12 +40,6 @@ def test_grouped_experts_bf16_match_the_stock_loop():
     g_s = stock.model.layers[0].mlp.experts.gate_up_proj.grad
     g_o = ours.model.layers[0].mlp.experts.gate_up_proj.grad
     assert _rel_err(g_o, g_s) < 2e-2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -88,7 +83,7 @@ def test_two_nccl_ranks_train_tiny_moe_and_skip_non_finite(tmp_path):
     model_path = str(make_model(tmp_path / "moe", moe=True))
     ctx = mp.get_context("spawn")
     results = ctx.Manager().dict()
-    port = _free_port()
+    port = unclaimed_port()
     procs = [ctx.Process(target=_rank_main, args=(r, 2, port, model_path, results)) for r in range(2)]
     for p in procs:
         p.start()
@@ -176,9 +171,7 @@ def test_one_unsharded_rank_under_autocast_trains_as_close_to_fp32_as_fsdp_mixed
     batch = TrainBatch([Sample(prompt_ids=torch.randint(512, (16,), generator=g).tolist(),
                                response_ids=torch.randint(512, (n,), generator=g).tolist(), advantage=a, group=i)
                         for i, (n, a) in enumerate(((48, 1.0), (48, -1.0), (17, 0.5), (80, -0.5)))])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unclaimed_port()
     runs = {}
     for name, options in (("fp32", ModelOptions(param_dtype=torch.float32)),
                           ("autocast", ModelOptions(param_dtype=torch.bfloat16)),
@@ -199,6 +192,6 @@ def test_one_unsharded_rank_trains_a_grouped_moe_under_autocast(tmp_path):
     from kuberl.driver.tiny import make_model
 
     results = {}
-    _rank_main(0, 1, _free_port(), str(make_model(tmp_path / "moe", moe=True, seed=0)), results)
+    _rank_main(0, 1, unclaimed_port(), str(make_model(tmp_path / "moe", moe=True, seed=0)), results)
     metrics = results[0]["metrics"]
     assert all(m["skipped"] == 0.0 and math.isfinite(m["loss"]) for m in metrics)

@@ -35,6 +35,8 @@ from typing import Callable
 
 import yaml
 
+from kuberl.common.ports import unclaimed_port
+
 from tests.harness import images, pki
 from tests.harness import nodes as realnodes
 from tests.harness.build import missing_components
@@ -68,12 +70,6 @@ def kuberay_crds() -> tuple[dict, ...]:
         raise ClusterError(f"KubeRay CRDs not built ({path}); run `python -m tests.harness build`")
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     return tuple(crd for crd in yaml.load_all(path.read_text(), Loader=loader) if crd)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def fake_gpu_node(name: str, zone: str) -> dict:
@@ -147,7 +143,7 @@ class Cluster:
         if real_nodes:
             names += ["kube-proxy-healthz", "kube-proxy-metrics", "coredns-ready", "coredns-health"]
             names += [f"kubelet-healthz-{i}" for i in range(real_nodes)]
-        self.ports = {name: free_port() for name in names}
+        self.ports = {name: unclaimed_port() for name in names}
         self.session = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.network = realnodes.Network(self.session, real_nodes) if real_nodes else None
         self.session_cgroup = realnodes.SessionCgroup(f"kuberl-{self.session}") if real_nodes else None

@@ -11,7 +11,9 @@ import urllib.request
 
 import pytest
 
-from tests.harness.harness import REPO_ROOT, free_port
+from kuberl.common.ports import unclaimed_port
+
+from tests.harness.harness import REPO_ROOT
 from tests.shared.prometheus import MISSING, binaries
 
 
@@ -27,7 +29,7 @@ class WorkerFeed:
     """tests.shared.worker_feed as a subprocess on a free loopback port."""
 
     def __init__(self, job: str, namespace: str, role: str, rank: int) -> None:
-        self.port = free_port()
+        self.port = unclaimed_port()
         env = dict(os.environ, KUBERL_JOB_NAME=job, KUBERL_NAMESPACE=namespace)
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.shared.worker_feed", str(self.port), role, str(rank)],
                                      cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import yaml
 
+from kuberl.common.ports import unclaimed_port
+
 from tests.harness.components import binary_path, is_built
-from tests.harness.harness import REPO_ROOT, free_port
+from tests.harness.harness import REPO_ROOT
 
 DASHBOARDS = sorted((REPO_ROOT / "charts" / "kuberl" / "dashboards").glob("*.json"))
 MISSING = ("the real Prometheus server is not built: `python -m tests.harness build prometheus promtool` "
@@ -81,7 +83,7 @@ class PrometheusServer:
     """`prometheus` with a generated config scraping static loopback targets every second."""
 
     def __init__(self, binary: str, promtool: str, workdir: Path, scrape_configs: list[dict]) -> None:
-        self.workdir, self.port = workdir, free_port()
+        self.workdir, self.port = workdir, unclaimed_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config = workdir / "prometheus.yml"
         self.config.write_text(yaml.safe_dump({

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,14 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from kuberl.common.ports import unclaimed_port
+
 FAKE_GCS_VERSION = "v1.56.1"
 FAKE_GCS_BIN = Path.home() / ".cache/kuberl/bin" / f"fake-gcs-server-{FAKE_GCS_VERSION}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
@@ -45,7 +40,7 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
-    port = free_port()
+    port = unclaimed_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
@@ -116,7 +111,7 @@ def _fake_gcs_binary() -> Path:
 @pytest.fixture(scope="session")
 def gcs_endpoint():
     binary = _fake_gcs_binary()
-    port = free_port()
+    port = unclaimed_port()
     endpoint = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port",
                              str(port), "-backend", "memory", "-public-host", f"127.0.0.1:{port}",

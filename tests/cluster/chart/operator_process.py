@@ -13,7 +13,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.harness.harness import free_port
+from kuberl.common.ports import unclaimed_port
+
 
 # Flags the local process must set itself; everything else comes from the Deployment.
 LOCAL_FLAGS = ("--metrics-port", "--metrics-address", "--liveness", "--kubeconfig")
@@ -31,7 +32,7 @@ def deployment_command(deployment: dict) -> list[str]:
 
 class OperatorProcess:
     def __init__(self, deployment: dict, kubeconfig: Path, log: Path) -> None:
-        self.metrics_port, self.health_port = free_port(), free_port()
+        self.metrics_port, self.health_port = unclaimed_port(), unclaimed_port()
         self.argv = [*deployment_command(deployment), "--kubeconfig", str(kubeconfig),
                      "--metrics-address", "127.0.0.1", f"--metrics-port={self.metrics_port}",
                      f"--liveness=http://127.0.0.1:{self.health_port}/healthz"]

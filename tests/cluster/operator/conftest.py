@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.harness.harness import REPO_ROOT, free_port
+from kuberl.common.ports import unclaimed_port
+
+from tests.harness.harness import REPO_ROOT
 from tests.harness.helpers import wait_for
 
 CRD_FILE = REPO_ROOT / "crds" / "rltrainingjobs.kuberl.dev.yaml"
@@ -60,7 +62,7 @@ class OperatorProcess:
     def __init__(self, kubeconfig: Path, namespace: str, log: Path, restart_backoff: float) -> None:
         self.kubeconfig, self.namespace, self.log_path = kubeconfig, namespace, log
         self.restart_backoff = restart_backoff
-        self.metrics_port, self.health_port = free_port(), free_port()
+        self.metrics_port, self.health_port = unclaimed_port(), unclaimed_port()
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "OperatorProcess":

@@ -5,11 +5,11 @@ the checkpoint tests and the subprocesses they start and kill."""
 
 from __future__ import annotations
 
-import socket
 
 import torch
 import torch.distributed as dist
 
+from kuberl.common.ports import unclaimed_port
 from kuberl.train.worker import TrainerWorker
 
 
@@ -23,9 +23,7 @@ class OneRank(TrainerWorker):
             torch.cuda.set_device(device)  # before the process group: NCCL binds to it
         if not dist.is_initialized():
             if port is None:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    port = s.getsockname()[1]
+                port = unclaimed_port()
             dist.init_process_group("gloo" if device == "cpu" else "cpu:gloo,cuda:nccl",
                                     init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)

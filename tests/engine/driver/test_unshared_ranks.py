@@ -15,13 +15,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from kuberl.common.ports import unclaimed_port
 
 # Six rank processes start one after another pair; on a loaded 2-core machine that is minutes.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -69,14 +70,8 @@ RANK = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(mode: str, root: str, tmp: Path, env: dict[str, str]) -> tuple[dict[int, float], list[int]]:
-    port = _free_port()
+    port = unclaimed_port()
     out = tmp / f"{mode}.json"
     procs = []
     for rank in (0, 1):

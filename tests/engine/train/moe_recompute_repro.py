@@ -14,12 +14,13 @@ Exit status 0 when both ranks finished the step.
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+
+from kuberl.common.ports import unclaimed_port
 
 
 class RoutingDriftRouter(nn.Module):
@@ -70,9 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts", choices=("stock", "grouped", "loop"), required=True)
     parser.add_argument("model")
     args = parser.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unclaimed_port()
     mp.start_processes(_rank, args=(2, port, args.model, args.experts), nprocs=2, join=True, start_method="spawn")
     return 0
 

@@ -4,12 +4,12 @@ tied embeddings and the rotary buffers (non-persistent, left empty by the meta b
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from kuberl.common.ports import unclaimed_port
 from kuberl.driver.tiny import make_model
 
 
@@ -35,7 +35,5 @@ def _rank(rank: int, world: int, port: int, model_path: str, moe: bool) -> None:
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_bucketed_broadcast_load_matches_from_pretrained(tmp_path, moe):
     model_path = str(make_model(tmp_path / "model", moe=moe, seed=7))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unclaimed_port()
     mp.start_processes(_rank, args=(2, port, model_path, moe), nprocs=2, join=True, start_method="spawn")

@@ -4,10 +4,11 @@ processes, a tiny Qwen3 with tied embeddings, CPU."""
 
 from __future__ import annotations
 
-import socket
 
 import torch
 import torch.multiprocessing as mp
+
+from kuberl.common.ports import unclaimed_port
 
 LR = 1e-2
 
@@ -78,13 +79,10 @@ def _ranks(rank: int, ports: list[int], root: str, barrier):
 
 
 def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+    ports: set[int] = set()
+    while len(ports) < n:
+        ports.add(unclaimed_port())
+    return sorted(ports)
 
 
 def test_one_rank_checkpoint_restores_into_two_sharded_ranks_and_back(tmp_path):

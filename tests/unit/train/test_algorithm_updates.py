@@ -7,12 +7,12 @@ and 3, 5, 2, 6 response tokens (sum of A * tokens: 3 - 2.5 + 4 - 9 = -4.5; sum o
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
 
 from kuberl.api.types import RLTrainingJobSpec
+from kuberl.common.ports import unclaimed_port
 from kuberl.common.samples import Sample, TrainBatch
 
 ADVANTAGES = [1.0, -0.5, 2.0, -1.5]
@@ -34,12 +34,6 @@ def _batch() -> TrainBatch:
     return TrainBatch(samples)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("name", sorted(EXPECTED_PG_LOSS))
 def test_update_uses_the_algorithms_loss(name, packed):
@@ -55,7 +49,7 @@ def test_update_uses_the_algorithms_loss(name, packed):
                                    clip_low=clip[0], clip_high=clip[1], max_response_tokens=MAX_RESPONSE_TOKENS,
                                    model=ModelOptions(gradient_checkpointing=False, param_dtype=torch.float32))
     worker = TrainerWorker(None, trainer_config, rank=0, world_size=1, master_addr="127.0.0.1",
-                           master_port=_port(), device=torch.device("cpu"), random_init_config=config)
+                           master_port=unclaimed_port(), device=torch.device("cpu"), random_init_config=config)
     try:
         batch = _batch()
         batch.old_logprobs = worker.log_probs(batch)

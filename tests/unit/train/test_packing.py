@@ -4,11 +4,11 @@ same log-probs, the same loss and the same gradients, on one real gloo rank (CPU
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
 
+from kuberl.common.ports import unclaimed_port
 from kuberl.common.samples import Sample, TrainBatch
 from kuberl.train.logprobs import chunked_logprobs_entropy, full_logprobs_entropy
 from kuberl.train.packing import split_by_tokens
@@ -38,12 +38,6 @@ def test_chunked_logprobs_entropy_match_full_logits_values_and_gradients(with_en
             torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _batch() -> TrainBatch:
     g = torch.Generator().manual_seed(0)
     samples = [Sample(prompt_ids=torch.randint(4, 100, (3 + i % 4,), generator=g).tolist(),
@@ -68,7 +62,7 @@ def test_packed_chunked_path_matches_the_padded_full_logits_path():
     packed.micro_batch_tokens = 40
     packed.model = ModelOptions(logprob_chunk_tokens=5, gradient_checkpointing=True, checkpoint_every=2)
     outcomes = []
-    port = _free_port()
+    port = unclaimed_port()
     for trainer_config in (reference, packed):
         worker = TrainerWorker(None, trainer_config, rank=0, world_size=1, master_addr="127.0.0.1",
                                master_port=port, device=torch.device("cpu"), random_init_config=config)
@@ -104,7 +98,7 @@ def test_packed_training_resumes_bit_exactly(tmp_path):
                          num_key_value_heads=1, head_dim=16, intermediate_size=64)
     trainer_config = TrainerConfig(lr=1e-3, micro_batch_tokens=30, entropy_coef=0.01,
                                    model=ModelOptions(logprob_chunk_tokens=7))
-    port = _free_port()
+    port = unclaimed_port()
     first = TrainerWorker(None, trainer_config, rank=0, world_size=1, master_addr="127.0.0.1", master_port=port,
                           device=torch.device("cpu"), random_init_config=config)
     import torch.distributed.checkpoint as dcp

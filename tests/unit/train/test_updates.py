@@ -7,12 +7,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import socket
 
 import pytest
 import torch
 
 from kuberl.api.types import AlgorithmSpec
+from kuberl.common.ports import unclaimed_port
 from kuberl.common.samples import Sample, SampleError, TrainBatch
 from kuberl.driver.tiny import make_model
 from kuberl.driver.updates import merge_update_metrics, mini_batches, policy_updates
@@ -54,9 +54,7 @@ def worker(tmp_path_factory):
     from kuberl.train.worker import ModelOptions, TrainerConfig, TrainerWorker
 
     model = make_model(tmp_path_factory.mktemp("updates") / "model", moe=False, seed=3)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unclaimed_port()
     config = TrainerConfig(lr=2e-2, weight_decay=0.0, micro_batch_size=4, clip_low=0.2, clip_high=0.2,
                            model=ModelOptions(gradient_checkpointing=False, param_dtype=torch.float32))
     w = TrainerWorker(str(model), config, rank=0, world_size=1, master_addr="127.0.0.1", master_port=port,

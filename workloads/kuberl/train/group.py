@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import tempfile
 from contextlib import ExitStack
 from typing import Any, Callable
 
 import ray
 
+from kuberl.common.ports import unclaimed_port
 from kuberl.common.samples import TrainBatch
 from kuberl.job.plan import Resume, RunPlan
 from kuberl.train.checkpoint import CONCURRENCY_GROUP, find_checkpoint
@@ -60,10 +60,7 @@ class TrainerActor:
         self._model_dir = ExitStack()
 
     def rendezvous(self) -> tuple[str, int]:
-        host = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return host, s.getsockname()[1]
+        return ray.util.get_node_ip_address(), unclaimed_port("")
 
     def setup(self, plan: RunPlan, config, *, rank: int, master_addr: str, master_port: int,
               numa_policy: str) -> tuple[str, str]:
