@@ -319,9 +319,10 @@ def test_in_a_ray_job_ranks_and_engines_reserve_their_slot_not_a_cpu():
     manifest["spec"]["trainer"] = {"gpusPerReplica": 0, "processesPerReplica": 2, "resources": {"cpu": "1", "memory": "2Gi"}}
     plan = plans.for_cluster(validate_manifest(manifest))
     layout = plan.layout
-    advertised = {**layout.group_resources["trainer"], "CPU": 1.0}
-    assert layout.slot_reservation(layout.trainer_resource, advertised) == {"num_cpus": 0, "resources": {layout.trainer_resource: 1}}
-    assert layout.slot_reservation(layout.trainer_resource, {"CPU": 4.0}) == {"num_cpus": 1}
+    assert layout.slot_reservation(layout.trainer_resource) == {"num_cpus": 0, "resources": {layout.trainer_resource: 1}}
+    # On a local Ray (kuberl train) no pod advertises slots: a logical CPU each.
+    local = plans.local(validate_manifest(manifest), Path("/tmp/work")).layout
+    assert local.slot_reservation(local.trainer_resource) == {"num_cpus": 1}
     ray_job = _by_kind(render(validate_manifest(manifest)))["RayJob"]
     trainer, = [g for g in ray_job["spec"]["rayClusterSpec"]["workerGroupSpecs"] if g["groupName"] == "trainer"]
     assert _ray_resources(trainer) == {layout.trainer_resource: 2}

@@ -58,8 +58,13 @@ class ProcessLayout(Frozen):
     rollout_resource: str = ROLLOUT_RESOURCE
     # Per worker group: the custom Ray resources its pods advertise (rayStartParams.resources).
     group_resources: dict[str, dict[str, int]]
+    # In a RayJob each rank and engine reserves its group's slot resource; on a local Ray (no pods
+    # advertise slots) a logical CPU. Decided by the plan, never by what the cluster shows at the
+    # moment: while a trainer pod is being replaced its slots are missing, and a rank asking for a
+    # CPU instead would start on another group's pod. True for plans written before this field.
+    slots: bool = True
 
-    def slot_reservation(self, resource: str, available: dict[str, float]) -> dict[str, Any]:
+    def slot_reservation(self, resource: str) -> dict[str, Any]:
         """What one trainer rank or engine asks Ray for, besides GPUs.
 
         In a RayJob its group's pods advertise ``resource`` (one unit per process slot), and the
@@ -68,7 +73,7 @@ class ProcessLayout(Frozen):
         Reserving a CPU per rank as well would leave a pod that requests fewer CPUs than it runs
         processes with ranks that never start. On a local Ray there are no slots: one logical CPU
         each (``kuberl train`` gives Ray enough of them)."""
-        if available.get(resource, 0) > 0:
+        if self.slots:
             return {"num_cpus": 0, "resources": {resource: 1}}
         return {"num_cpus": 1}
 
@@ -128,7 +133,7 @@ class RunPlan(Frozen):
         return yaml.dump(self.model_dump(mode="json"), Dumper=YAML_DUMPER, sort_keys=False)
 
 
-def process_layout(spec: t.RLTrainingJobSpec) -> ProcessLayout:
+def process_layout(spec: t.RLTrainingJobSpec, *, slots: bool) -> ProcessLayout:
     trainer, rollout = spec.trainer, spec.rollout
     ranks_per_pod = trainer.gpus_per_replica or trainer.processes_per_replica
     gpus_per_rank = 1 if trainer.gpus_per_replica else 0
@@ -152,7 +157,7 @@ def process_layout(spec: t.RLTrainingJobSpec) -> ProcessLayout:
         world_size=trainer.replicas * ranks_per_pod, gpus_per_rank=gpus_per_rank,
         rollout_pods=rollout_pods, engines_per_pod=engines_per_pod, engines=engines,
         gpus_per_engine=gpus_per_engine, tensor_parallel_size=tp, colocated=rollout.colocate,
-        expected_pods=1 + trainer.replicas + rollout_pods, group_resources=groups)
+        expected_pods=1 + trainer.replicas + rollout_pods, group_resources=groups, slots=slots)
 
 
 def checkpoints(spec: t.RLTrainingJobSpec) -> Checkpoints:
@@ -185,7 +190,7 @@ def for_cluster(job: t.RLTrainingJob, attempt: int = 0) -> RunPlan:
     spec = job.spec
     return RunPlan(
         job=job.metadata.name, namespace=job.metadata.namespace, attempt=attempt,
-        layout=process_layout(spec),
+        layout=process_layout(spec, slots=True),
         paths=Paths(model=in_pod_path(spec.model.uri, MODEL_DIR),
                     data=in_pod_path(spec.data.uri, DATA_DIR),
                     validation_data=(in_pod_path(spec.validation.uri, VALIDATION_DATA_DIR)
@@ -201,7 +206,7 @@ def local(job: t.RLTrainingJob, work_dir: Path, attempt: int = 0) -> RunPlan:
     revision = spec.model.revision if model.info.hub else None
     return RunPlan(
         job=job.metadata.name, namespace=job.metadata.namespace, attempt=attempt,
-        layout=process_layout(spec),
+        layout=process_layout(spec, slots=False),
         paths=Paths(model=spec.model.uri, model_revision=revision, data=spec.data.uri,
                     validation_data=spec.validation.uri if spec.validation is not None else None,
                     scratch=str(Path(work_dir) / "scratch")),

@@ -104,7 +104,7 @@ class EnginePool:
         if count < 1:
             raise ValueError(f"num_engines must be at least 1, got {count}")
         self._options = {"num_gpus": layout.gpus_per_engine, "max_concurrency": 1000,
-                         **layout.slot_reservation(layout.rollout_resource, ray.cluster_resources())}
+                         **layout.slot_reservation(layout.rollout_resource)}
         if spec.rollout.env:
             self._options["runtime_env"] = {"env_vars": dict(spec.rollout.env)}
         self._placements: list[tuple[str | None, list[str] | None]] = [(None, None)] * count

@@ -179,7 +179,7 @@ class TrainerGroup:
         spec, plan, layout = self.spec, self.plan, self.plan.layout
         use_gpu = layout.gpus_per_rank > 0
         actor_cls = ray.remote(concurrency_groups={CONCURRENCY_GROUP: 1})(TrainerActor).options(
-            num_gpus=layout.gpus_per_rank, **layout.slot_reservation(layout.trainer_resource, ray.cluster_resources()),
+            num_gpus=layout.gpus_per_rank, **layout.slot_reservation(layout.trainer_resource),
             **({"runtime_env": {"env_vars": dict(spec.rollout.env)}} if spec.rollout.env else {}))
         self.actors = [actor_cls.remote() for _ in range(self.world_size)]
         try:
