@@ -1,7 +1,8 @@
 """Packed (document-masked causal) attention kernels at the dense preset's shape, forward +
 backward, on one GPU (issue 36): PyTorch's FlashAttention-2 varlen kernel, and for a row of
 equal-length documents SDPA over them as a batch (cuDNN's kernels first, as torchtitan runs
-them; ``kuberl.train.packing.uniform_sdpa_attention``). Checks each against FlashAttention-2's
+them; ``kuberl.train.packing.uniform_sdpa_attention``), with K/V repeated to every head or
+through SDPA's ``enable_gqa``. Checks each against FlashAttention-2's
 output and gradients.
 
     PYTHONPATH=workloads python bench/packed_attention.py --json attn.json
@@ -37,7 +38,22 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--json")
     args = parser.parse_args()
-    from kuberl.train.packing import flash_varlen_attention, uniform_sdpa_attention
+    from torch.nn import functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    from kuberl.train.packing import _UNIFORM_BACKENDS, flash_varlen_attention, uniform_sdpa_attention
+
+    def uniform_sdpa_native_gqa(query, key, value, docs, scaling):
+        """uniform_sdpa_attention with SDPA's enable_gqa instead of K/V repeated to every head."""
+        _, heads, length, dim = query.shape
+
+        def rows(t):
+            return t[0].unflatten(1, (docs, length // docs)).transpose(0, 1)
+
+        with sdpa_kernel(_UNIFORM_BACKENDS, set_priority=True):
+            out = F.scaled_dot_product_attention(rows(query), rows(key), rows(value), is_causal=True, scale=scaling,
+                                                 enable_gqa=True)
+        return out.transpose(1, 2).reshape(1, length, heads, dim)
 
     dev = torch.device("cuda")
     rng = random.Random(0)
@@ -61,6 +77,7 @@ def main() -> int:
         kernels = {"flash2 varlen": lambda: flash_varlen_attention(q, k, v, cu, max(lengths), scale)}
         if len(set(lengths)) == 1:
             kernels["uniform sdpa (cudnn first)"] = lambda: uniform_sdpa_attention(q, k, v, len(lengths), scale)
+            kernels["uniform sdpa, enable_gqa"] = lambda: uniform_sdpa_native_gqa(q, k, v, len(lengths), scale)
         ref = None
         for name, fn in kernels.items():
             try:

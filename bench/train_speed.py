@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             "ckpt-all": (ModelOptions(**new), dict(micro_batch_tokens=4 * seq)),
             "ckpt-half": (ModelOptions(**new, checkpoint_every=2), dict(micro_batch_tokens=4 * seq)),
             "ckpt-quarter": (ModelOptions(**new, checkpoint_every=4), dict(micro_batch_tokens=4 * seq)),
+            "ckpt-op": (ModelOptions(**new, checkpoint_per_op=True), dict(micro_batch_tokens=4 * seq)),
             "no-ckpt": (ModelOptions(**new, gradient_checkpointing=False), dict(micro_batch_tokens=seq)),
             "no-ckpt-4": (ModelOptions(**new, gradient_checkpointing=False), dict(micro_batch_tokens=4 * seq)),
             "sharded-flash-ckpt-all": (ModelOptions(**sharded_flash), dict(micro_batch_tokens=4 * seq)),

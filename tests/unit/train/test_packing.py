@@ -47,7 +47,9 @@ def _batch() -> TrainBatch:
     return TrainBatch(samples)
 
 
-def test_packed_chunked_path_matches_the_padded_full_logits_path():
+@pytest.mark.parametrize("recompute", [dict(checkpoint_every=2), dict(checkpoint_per_op=True)],
+                         ids=["every-2nd-layer", "per-op"])
+def test_packed_chunked_path_matches_the_padded_full_logits_path(recompute):
     from transformers import Qwen3Config
 
     from kuberl.train.model import ModelOptions
@@ -60,7 +62,7 @@ def test_packed_chunked_path_matches_the_padded_full_logits_path():
                                                  gradient_checkpointing=False))
     packed = copy.deepcopy(reference)
     packed.micro_batch_tokens = 40
-    packed.model = ModelOptions(logprob_chunk_tokens=5, gradient_checkpointing=True, checkpoint_every=2)
+    packed.model = ModelOptions(logprob_chunk_tokens=5, gradient_checkpointing=True, **recompute)
     outcomes = []
     port = unclaimed_port()
     for trainer_config in (reference, packed):

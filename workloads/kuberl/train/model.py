@@ -1,7 +1,7 @@
 """A Hugging Face causal LM as an FSDP2 module (on one rank a plain one under autocast):
 meta-device build on every rank, real weights read once on rank 0 and broadcast in coalesced
 buckets, ``fully_shard`` per decoder layer then the root, optional non-reentrant activation
-checkpointing (every layer or every n-th), each decoder layer's forward compiled on GPU,
+checkpointing (every layer or every n-th, or per op), each decoder layer's forward compiled on GPU,
 packed-sequence attention, the chunked log-prob head and the every-expert MoE path."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from kuberl.train.logprobs import DEFAULT_CHUNK_TOKENS, use_logprob_head
 from kuberl.train.moe import use_grouped_experts
 from kuberl.train.packing import PACKED_ATTENTION, UNIFORM_SDPA_ATTR, register_packed_attention
+from kuberl.train.recompute import checkpoint_per_op
 
 BROADCAST_BUCKET_BYTES = 256 << 20
 
@@ -29,6 +30,10 @@ class ModelOptions:
     # With checkpointing on: recompute every n-th decoder layer only (1 = all; 2 = half the
     # recompute, more activation memory).
     checkpoint_every: int = 1
+    # With checkpointing on: every layer per op instead (kuberl.train.recompute: attention and
+    # every other matmul saved, the rest recomputed; torchtitan's default). checkpoint_every is
+    # then unused.
+    checkpoint_per_op: bool = False
     # Compute dtype (FSDP2 mixed precision, or autocast on one unsharded rank); master weights,
     # gradients and their reduction stay fp32.
     param_dtype: torch.dtype = torch.float32
@@ -123,7 +128,10 @@ def is_sharded(mesh: DeviceMesh, options: ModelOptions) -> bool:
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, options: ModelOptions, *, trainable: bool = True) -> nn.Module:
     layers = decoder_layers(model)
-    if options.gradient_checkpointing and trainable:
+    if options.gradient_checkpointing and trainable and options.checkpoint_per_op:
+        for layer in layers:
+            layer.forward = checkpoint_per_op(layer.forward)
+    elif options.gradient_checkpointing and trainable:
         if options.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {options.checkpoint_every}")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

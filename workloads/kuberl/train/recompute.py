@@ -1,0 +1,60 @@
+"""Per-op selective activation checkpointing of a decoder layer, as torchtitan's default for
+Qwen3: every layer is checkpointed, but the outputs of attention and of every other matmul are
+saved, so backward recomputes only the cheap elementwise ops (norms, rotary, SiLU) and half of
+the matmuls. Whole-layer checkpointing recomputes everything of a layer; none keeps everything.
+
+torch.compile traces the checkpoint and this policy together (the compiled forward wraps the
+checkpointed one: ``kuberl.train.model.shard_model``)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+
+def _saved_ops() -> frozenset:
+    """Attention kernels (whichever backend ran) and matmuls; ops this torch lacks are skipped."""
+    names = ("aten.mm.default", "aten._scaled_dot_product_cudnn_attention.default",
+             "aten._scaled_dot_product_flash_attention.default",
+             "aten._scaled_dot_product_efficient_attention.default",
+             "aten._scaled_dot_product_flash_attention_for_cpu.default",
+             "torch_attn._varlen_attn.default", "aten.max.default")
+    ops = set()
+    for name in names:
+        namespace, op, overload = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None:
+            ops.add(getattr(packet, overload))
+    return frozenset(ops)
+
+
+SAVED_OPS = _saved_ops()
+MM = torch.ops.aten.mm.default
+
+
+def _policy_context():
+    # Counted per checkpoint call and per pass, so the forward and its recomputation agree on
+    # which matmuls were saved.
+    matmuls = {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        if op == MM:
+            matmuls[ctx.is_recompute] += 1
+            if matmuls[ctx.is_recompute] % 2 == 0:  # every second one: torchtitan's memory/compute balance
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def checkpoint_per_op(forward: Callable) -> Callable:
+    """``forward`` under non-reentrant checkpointing with the per-op policy above."""
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=_policy_context, **kwargs)
+
+    return checkpointed
