@@ -80,8 +80,10 @@ def test_stager_image(real_cluster, node, namespace):
 
 
 def test_worker_cpu_image_imports_its_stack(real_cluster, node, namespace):
-    imports = ("import torch, vllm, ray, kuberl, kuberl.train; "
-               "print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)")
+    imports = ("import importlib.util, os, torch, vllm, ray, kuberl, kuberl.train; "
+               "print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__); "
+               "print('bytecode', all(os.path.exists(importlib.util.cache_from_source(m.__file__)) "
+               "for m in (torch, vllm, ray, kuberl)))")
     logs = run_pod(real_cluster, namespace, node, "worker-cpu", load(real_cluster, node, "worker-cpu"), {
         "id": {"command": ["id"]},
         "help": {"command": ["kuberl", "--help"]},
@@ -89,4 +91,5 @@ def test_worker_cpu_image_imports_its_stack(real_cluster, node, namespace):
     }, timeout=600)
     assert logs["id"].startswith("uid=1000(kuberl) gid=1000(kuberl)")
     assert "usage: kuberl" in logs["help"]
+    assert "bytecode True" in logs["imports"], "site-packages ship compiled: the pods' user cannot write them"
     assert "torch 2.13.0" in logs["imports"] and "vllm 0.32.0" in logs["imports"] and " ray " in logs["imports"]

@@ -138,6 +138,8 @@ def test_dependencies_come_from_the_lock_with_hashes(name):
     named = re.findall(r"uv pip install ([^&]*)", final)
     for args in named:
         assert "--no-deps" in args, f"{name}: {args}"
+        # The pods' user cannot write site-packages: bytecode compiled at run time is never kept.
+        assert "--compile-bytecode" in args, f"{name}: {args}"
     required = re.search(r'required-version = "==([\d.]+)"', (REPO_ROOT / "pyproject.toml").read_text()).group(1)
     assert global_args(DOCKERFILE)["UV_VERSION"] == required, "the images' uv is the version pyproject.toml requires"
     # uv is a build tool: the image installs it into /tmp and removes it in the same step.
