@@ -31,12 +31,6 @@ def step(status: dict) -> int:
 
 
 @pytest.mark.timeout(2400)
-@pytest.mark.skip(reason="issue 34, open: in its one run (2026-11-26 07:25 UTC, the kept driver log) the notice and the "
-                         "commit worked (notice at step 4, step 5 committed 5 s later), then Ray drained the node for "
-                         "30 s while the rank ran steps 6-33 (the drain is now rendered 0, not yet run in pods), and "
-                         "the in-place recovery failed: with the only trainer pod gone, TrainerGroup._start reserved "
-                         "no trainer slot (ray.cluster_resources() lacked it), so the new rank went to the rollout "
-                         "pod, which has no S3 credentials (StorageError in claim_epoch)")
 def test_a_trainer_pod_deleted_gracefully_commits_the_step_in_flight_and_loses_no_step(product):
     manifest = example(JOB)
     spec = manifest["spec"]

@@ -339,12 +339,17 @@ def test_a_trainer_pods_preemption_notice_checkpoints_the_step_in_flight(run_a, 
 
     log = (tmp / "f" / "driver.log").read_text()
     assert f"checkpointing step {step}, the step in flight at the notice" in log
+    # No step begins on the going rank before the commit (it would only run again).
+    assert log.index(f"checkpoint step {step} committed") < log.index(f"step {step + 1}/"), tail(tmp / "f" / "driver.log")
     assert f"restored step {step}," in log, tail(tmp / "f" / "driver.log")
     rows = metric_rows(tmp / "f")
     steps = [row["step"] for row in rows]
-    back = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
-    assert steps[back:] == list(range(step + 1, NOTICE_RUN_STEPS + 1)), steps  # only the step torn by the loss runs again
-    for row in rows[back:]:
+    # Nothing ran on the going rank between the notice's boundary and the commit, so at most one
+    # step runs again: one begun between the commit and the kill, and finished before it landed.
+    assert sorted(set(steps)) == list(range(1, NOTICE_RUN_STEPS + 1)) and len(steps) - len(set(steps)) <= 1, steps
+    after = len(steps) - 1 - steps[::-1].index(step + 1)  # the restored run's first step
+    assert steps[after:] == list(range(step + 1, NOTICE_RUN_STEPS + 1)), steps
+    for row in rows[after:]:
         if row["step"] > STEPS:
             break
         assert {k: v for k, v in row.items() if not wall_clock(k) and not k.startswith("trainer_recover")} == \

@@ -566,6 +566,14 @@ class Driver:
         if self.checkpoints.enabled and (self.checkpoints.due(self.step) or self.preemption.requested or suspend
                                          or going):
             self.save()
+            if going:
+                # The commit first, not in the background: a step begun now runs on a pod about to
+                # go and would only run again after the recovery (in pods, two steps ran during
+                # the upload). The hooks let their pods go once it is committed.
+                waited = time.perf_counter()
+                self.checkpoints.wait()
+                log.warning("checkpoint step %d committed %.1f s after the notice's boundary: %s may go",
+                            self.step, time.perf_counter() - waited, ", ".join(going))
         if self.preemption.requested:
             return EXIT_PREEMPTED
         if suspend:
