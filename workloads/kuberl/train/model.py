@@ -220,7 +220,10 @@ def broadcast_full_state(model: nn.Module, source: nn.Module | None, device: tor
             full = full.view(target.shape)
             if isinstance(target, DTensor):
                 # src_data_rank=None: every rank holds the full tensor; each just keeps its shard.
-                target.copy_(distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None))
+                # Copied shard to shard: an offloaded target's shard is on the host, ``full`` on
+                # the mesh's device.
+                shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+                target.to_local().copy_(shard.to_local())
             else:
                 target.copy_(full)
 
