@@ -170,6 +170,12 @@ def _materialize(model: nn.Module, mesh: DeviceMesh, device: torch.device, optio
     """Allocate the meta-device model on ``device`` (contents undefined); offloaded, on the host,
     where FSDP2's CPUOffloadPolicy requires the shards to be."""
     model.to_empty(device="cpu" if options.cpu_offload else device)
+    if options.cpu_offload:
+        # FSDP2 offloads only the parameters it shards: buffers (rotary inv_freq) serve the
+        # forward on the device, as torchtitan places them.
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(device))
     if not is_sharded(mesh, options):
         # to_empty gives each module its own new parameter: tie the LM head to the embeddings
         # again (FSDP2 keeps a tied parameter one, in the root group).
