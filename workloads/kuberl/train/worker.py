@@ -195,8 +195,8 @@ class TrainerWorker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         on_gpu = self.device.type == "cuda"
-        # Offloaded, the optimizer step and gradient clipping reduce over CPU tensors (the norm of
-        # CPU gradient shards): those collectives need gloo beside NCCL.
+        # Offloaded, gradient clipping (the norm over the host's gradient shards) and the export
+        # (gathering the host's weight shards) are collectives over CPU tensors: gloo beside NCCL.
         backend = ("cuda:nccl,cpu:gloo" if config.model.cpu_offload else "nccl") if on_gpu else "gloo"
         if not dist.is_initialized():
             dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
