@@ -26,7 +26,7 @@ EXPECTED = {
                                    "algorithm.overlongBuffer": 4096, "algorithm.maxRefillRounds": 9,
                                    "algorithm.klCoef": 0.0,
                                    "validation.topP": 0.7, "validation.n": 1, "algorithm.epochs": 1, "data.overlongPrompts": "error",
-                                   "rollout.engineArgs.enableChunkedPrefill": True}),
+                                   "rollout.engineArgs.enableChunkedPrefill": True, "trainer.cpuOffload": True}),
     "nemo-rl-grpo-qwen3-30b-a3b": (4, {"algorithm.logProbMicroBatchSize": 4, "algorithm.klClamp": 10.0,
                                        "trainer.replicas": 8, "rollout.gpuMemoryUtilization": 0.7,
                                        "algorithm.warmupSteps": 13,

@@ -407,6 +407,12 @@ class MoESpec(APIModel):
 
 
 class TrainerSpec(APIModel):
+    model_config = ConfigDict(json_schema_extra=_rules(
+        rule("!self.cpuOffload || self.gpusPerReplica > 0",
+             "trainer.cpuOffload needs trainer.gpusPerReplica > 0: a CPU trainer already keeps its "
+             "weights and optimizer state in host memory, so there is nothing to offload; remove "
+             "cpuOffload, or give the trainer GPUs", ".cpuOffload"),
+    ))
     strategy: Literal["fsdp2"] = Field("fsdp2", description="Data-parallel sharding strategy.")
     replicas: int = Field(1, ge=1, le=MAX_REPLICAS, description="Trainer pods (nodes).")
     gpus_per_replica: int = Field(1, ge=0, le=16, description="GPUs per trainer pod; 0 trains on CPU (gloo).")
@@ -422,6 +428,13 @@ class TrainerSpec(APIModel):
                                     "end into micro-batches of up to N tokens with document-masked attention, "
                                     "no padding (1.17x tokens/s on RL response lengths, docs/benchmarks.md).")
     param_dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="Compute dtype on GPU; CPU always uses float32.")
+    cpu_offload: bool = Field(False, description="Keep the trainer's parameters, gradients and optimizer "
+                              "state in host memory (FSDP2's CPUOffloadPolicy): each layer's weights are "
+                              "copied to the GPU for its forward and backward, and the optimizer steps on "
+                              "the CPU. Trains a model too large for the trainer GPUs' memory at the cost "
+                              "of step time (docs/algorithms.md); needs gpusPerReplica >= 1 and memory in "
+                              "resources.memory for the fp32 weights, gradients and AdamW moments (16 bytes "
+                              "per parameter, divided over the trainer processes).")
     moe: MoESpec = Field(default_factory=MoESpec, description="Mixture-of-Experts options.")
     resources: Resources = Field(default_factory=Resources, description="Per-pod CPU and memory.")
 

@@ -38,7 +38,14 @@ def full_bucket(model: torch.nn.Module, bucket: Bucket, device: torch.device) ->
         name = hf_name(name)
         if name not in wanted:
             continue
-        tensor = param.full_tensor() if isinstance(param, DTensor) else param
+        if isinstance(param, DTensor):
+            if param.device.type != param.device_mesh.device_type:
+                # An offloaded shard (trainer.cpuOffload) lives on the host: gather it on the mesh's
+                # device, over NCCL, instead of over gloo through host memory.
+                param = param.to(param.device_mesh.device_type)
+            tensor = param.full_tensor()
+        else:
+            tensor = param
         found[name] = tensor.detach().to(device=device, dtype=wanted[name].torch_dtype)
     missing = [meta.name for meta in bucket.metas if meta.name not in found]
     if missing:

@@ -1,4 +1,4 @@
-"""A Hugging Face causal LM as an FSDP2 module (on one rank a plain one under autocast):
+"""A Hugging Face causal LM as an FSDP2 module (on one rank a plain one under autocast, unless offloaded):
 meta-device build on every rank, real weights read once on rank 0 and broadcast in coalesced
 buckets, ``fully_shard`` per decoder layer then the root, optional non-reentrant activation
 checkpointing (every layer or every n-th, or per op), each decoder layer's forward compiled on GPU,
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kuberl.train.logprobs import DEFAULT_CHUNK_TOKENS, use_logprob_head
@@ -61,6 +61,10 @@ class ModelOptions:
     # more than one rank (one rank holds every parameter anyway, freeing only adds a gather).
     reshard_after_forward: bool | None = None
     broadcast_bucket_bytes: int = BROADCAST_BUCKET_BYTES
+    # spec.trainer.cpuOffload: FSDP2's CPUOffloadPolicy keeps the sharded parameters, their
+    # gradients and so the optimizer state in host memory; each layer's gathered weights visit
+    # the device for its forward and backward only. Shards even at world size 1 (is_sharded).
+    cpu_offload: bool = False
 
 
 def load_config(model_path: str, options: ModelOptions):
@@ -122,8 +126,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def is_sharded(mesh: DeviceMesh, options: ModelOptions) -> bool:
-    """Whether ``shard_model`` wraps the model in FSDP2 on this mesh."""
-    return mesh.size() > 1 or options.shard_single_rank
+    """Whether ``shard_model`` wraps the model in FSDP2 on this mesh. Offload is FSDP2's own
+    (its hooks copy each layer to the device and back), so it needs the wrapper at one rank too."""
+    return mesh.size() > 1 or options.shard_single_rank or options.cpu_offload
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, options: ModelOptions, *, trainable: bool = True) -> nn.Module:
@@ -152,19 +157,33 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, options: ModelOptions, *, tr
             model.requires_grad_(False)
         return model
     mp = MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=torch.float32)
-    reshard = options.reshard_after_forward if options.reshard_after_forward is not None else mesh.size() > 1
+    # Pinned host shards make the copies to and from a GPU asynchronous; a CPU mesh has none
+    # (and pinning needs a GPU driver).
+    offload = (CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if options.cpu_offload
+               else OffloadPolicy())
+    # Offloaded, a layer kept gathered after forward would hold its device copy until backward:
+    # freeing it is the memory offload is for, even at one rank.
+    reshard = (options.reshard_after_forward if options.reshard_after_forward is not None
+               else mesh.size() > 1 or options.cpu_offload)
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     # The root group holds the embeddings, final norm and LM head: tied weights stay one parameter.
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     if not trainable:
         model.requires_grad_(False)
     return model
 
 
 def _materialize(model: nn.Module, mesh: DeviceMesh, device: torch.device, options: ModelOptions) -> None:
-    """Allocate the meta-device model on ``device`` (contents undefined)."""
-    model.to_empty(device=device)
+    """Allocate the meta-device model on ``device`` (contents undefined); offloaded, on the host,
+    where FSDP2's CPUOffloadPolicy requires the shards to be."""
+    model.to_empty(device="cpu" if options.cpu_offload else device)
+    if options.cpu_offload:
+        # FSDP2 offloads only the parameters it shards: buffers (rotary inv_freq) serve the
+        # forward on the device, as torchtitan places them.
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(device))
     if not is_sharded(mesh, options):
         # to_empty gives each module its own new parameter: tie the LM head to the embeddings
         # again (FSDP2 keeps a tied parameter one, in the root group).
@@ -215,7 +234,10 @@ def broadcast_full_state(model: nn.Module, source: nn.Module | None, device: tor
             full = full.view(target.shape)
             if isinstance(target, DTensor):
                 # src_data_rank=None: every rank holds the full tensor; each just keeps its shard.
-                target.copy_(distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None))
+                # Copied shard to shard: an offloaded target's shard is on the host, ``full`` on
+                # the mesh's device.
+                shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+                target.to_local().copy_(shard.to_local())
             else:
                 target.copy_(full)
 

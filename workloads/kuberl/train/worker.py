@@ -80,7 +80,8 @@ class TrainerConfig:
             model=ModelOptions(trust_remote_code=spec.model.trust_remote_code,
                                gradient_checkpointing=trainer.gradient_checkpointing,
                                checkpoint_every=trainer.checkpoint_every,
-                               param_dtype=dtype, moe_experts=trainer.moe.expert_implementation),
+                               param_dtype=dtype, moe_experts=trainer.moe.expert_implementation,
+                               cpu_offload=trainer.cpu_offload),
         )
 
 
@@ -193,10 +194,13 @@ class TrainerWorker:
         self.model_path = model_path
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        on_gpu = self.device.type == "cuda"
+        # Offloaded, gradient clipping (the norm over the host's gradient shards) and the export
+        # (gathering the host's weight shards) are collectives over CPU tensors: gloo beside NCCL.
+        backend = ("cuda:nccl,cpu:gloo" if config.model.cpu_offload else "nccl") if on_gpu else "gloo"
         if not dist.is_initialized():
             dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
-                                    rank=rank, world_size=world_size, device_id=self.device if backend == "nccl" else None)
+                                    rank=rank, world_size=world_size, device_id=self.device if on_gpu else None)
         self.mesh = init_device_mesh(self.device.type, (world_size,))
         random.seed(config.seed + rank)
         np.random.seed(config.seed + rank)
@@ -217,8 +221,9 @@ class TrainerWorker:
         self.is_moe = is_moe_config(self.hf_config)
         # Fused on GPU (one kernel over all parameters instead of several foreach passes); its share
         # of the speed-up in bench/train_speed.py was not measured separately.
+        # Offloaded, the parameters and moments are CPU tensors: the optimizer steps there, unfused.
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
-                                           fused=self.device.type == "cuda")
+                                           fused=on_gpu and not config.model.cpu_offload)
         warmup = config.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
