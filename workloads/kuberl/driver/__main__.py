@@ -86,6 +86,7 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     from kuberl.driver.tracking import make_trackers
     from kuberl.rollout.pool import EnginePool
     from kuberl.storage import resolve
+    from kuberl.storage.code import code_dir
     from kuberl.sync import make_weight_sync
     from kuberl.train.group import TrainerGroup
 
@@ -94,7 +95,13 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     with user_errors_reported(reporter, plan.attempt):
         # The job's own code first: a reward function or environment class that cannot be loaded
         # fails the job here, naming the field, before Ray, engines or trainers take any GPU time.
-        check_user_code(spec)
+        # A source's directory in a pod; kuberl train fetches and verifies source.uri itself.
+        code = Path(plan.paths.scratch) / "code"
+        reward_code = code_dir(plan.paths.reward_code, plans.reward_source(spec), code / "reward",
+                               field="spec.reward.source")
+        agent_code = code_dir(plan.paths.agent_code, plans.agent_source(spec), code / "agent",
+                              field="spec.agent.source")
+        check_user_code(spec, reward_code, agent_code)
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):  # inside a RayJob: the cluster kuberl render described
             ray.init(address=os.environ["RAY_ADDRESS"])
@@ -140,7 +147,7 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
                             data_path=data_path, checkpoints=checkpoints, reporter=reporter, preemption=preemption,
                             metrics_file=metrics_file, validation_path=validation_path, trackers=trackers,
                             exporter=lambda step: trainer.export_hugging_face(plan.checkpoints.export_uri_at(step)),
-                            notices=notices)
+                            notices=notices, reward_code=reward_code, agent_code=agent_code)
         driver.restore()
         if display is not None:
             display.start(driver.step, driver.total_steps,
