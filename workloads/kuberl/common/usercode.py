@@ -26,23 +26,23 @@ def resolve(path: str, field: str, what: str, error: type[Exception], *, source:
     its modules shadow the image's. Importing runs the module's code, so anything it raises is the
     job's own error too."""
     module, _, name = path.partition(":")
-    where = "in the worker image"
+    where = ""
     if source is not None:
         source_field = field.rsplit(".", 1)[0] + ".source"
-        where = f"in {source_field} ({source.describe()}, at {source_dir})"
+        where = f" from {source_field} ({source.describe()}, at {source_dir})"
         _add_source(source, source_field, source_dir, error)
     try:
         return pkgutil.resolve_name(path)
     except ModuleNotFoundError as exc:
         fix = ("add the module to the source or fix the module path before ':'" if source is not None
                else "install the module in the worker image or fix the module path before ':'")
-        raise error(f"{field}: cannot import {module!r} {where} ({exc}); {fix}") from exc
+        raise error(f"{field}: cannot import {module!r}{where} ({exc}); {fix}") from exc
     except AttributeError as exc:
         if exc.name != name:  # raised by the module's own code
-            raise error(f"{field}: importing {module!r} {where} failed: AttributeError: {exc}") from exc
+            raise error(f"{field}: importing {module!r}{where} failed: AttributeError: {exc}") from exc
         raise error(f"{field}: {module!r} has no {what} {name!r}; fix the name after ':'") from exc
     except Exception as exc:  # the module's own code failed while importing
-        raise error(f"{field}: importing {module!r} {where} failed: {type(exc).__name__}: {exc}") from exc
+        raise error(f"{field}: importing {module!r}{where} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _add_source(source: CodeSource, field: str, source_dir: str | None, error: type[Exception]) -> None:
