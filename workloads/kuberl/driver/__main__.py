@@ -95,8 +95,9 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     with user_errors_reported(reporter, plan.attempt):
         # The job's own code first: a reward function or environment class that cannot be loaded
         # fails the job here, naming the field, before Ray, engines or trainers take any GPU time.
-        # A source's directory in a pod; kuberl train fetches and verifies source.uri itself.
-        code = Path(plan.paths.scratch) / "code"
+        # A source's directory in a pod; kuberl train fetches and verifies source.uri itself,
+        # into the work dir beside the ranks' scratch.
+        code = Path(plan.paths.scratch).parent / "code"
         reward_code = code_dir(plan.paths.reward_code, plans.reward_source(spec), code / "reward",
                                field="spec.reward.source")
         agent_code = code_dir(plan.paths.agent_code, plans.agent_source(spec), code / "agent",
