@@ -449,3 +449,14 @@ def test_a_uri_source_is_staged_with_its_digest_and_an_agent_source_reaches_the_
     # The environment runs in the driver, on the head: no other pod fetches it.
     for role in ("trainer", "rollout"):
         assert not any(c["name"] == "stage-agent-code" for c in pods[role]["initContainers"]), role
+
+
+def test_a_local_plan_carries_a_source_uri_to_fetch_and_no_directory_for_a_config_map(tmp_path):
+    manifest = minimal_manifest("local-code")
+    manifest["spec"]["reward"] = {"function": "m:f", "source": {"uri": "s3://code/m.py", "sha256": "0" * 64}}
+    assert plans.local(validate_manifest(manifest), tmp_path).paths.reward_code == "s3://code/m.py"
+    manifest["spec"]["reward"]["source"] = {"configMap": {"name": "rewards"}}
+    assert plans.local(validate_manifest(manifest), tmp_path).paths.reward_code is None
+    # With spec.agent the reward is not loaded, so its source is neither staged nor carried.
+    manifest["spec"]["agent"] = {"environment": "e:Env"}
+    assert plans.for_cluster(validate_manifest(manifest)).paths.reward_code is None
