@@ -135,3 +135,25 @@ def test_kuberl_train_reports_a_missing_environment_class_before_ray_engines_or_
     assert (attempt, reason) == (2, "AgentFailed")
     assert message.startswith("spec.agent.environment: cannot import 'my_envs.search'")
     assert "install the module in the worker image or fix the module path" in message
+
+
+def test_kuberl_train_refuses_a_source_uri_whose_digest_differs_before_ray(tmp_path, monkeypatch):
+    """kuberl train fetches source.uri (a local file here) as the stager does in a pod."""
+    from kuberl.driver import __main__ as train
+    from kuberl.driver import report
+
+    if _ray_running():
+        pytest.skip("Ray already runs in this process; the check is that this run starts none")
+    reporter = RecordingReporter()
+    monkeypatch.setattr(report, "reporter_from_env", lambda: reporter)
+    (tmp_path / "my_rewards.py").write_text("def score(batch):\n    return [1.0] * len(batch)\n")
+    manifest = minimal_manifest("user-code")
+    manifest["spec"]["reward"] = {"function": "my_rewards:score",
+                                  "source": {"uri": str(tmp_path / "my_rewards.py"), "sha256": "0" * 64}}
+    job = validate_manifest(manifest)
+    with pytest.raises(RewardError, match=r"^spec.reward.source.sha256: .*my_rewards.py has sha256 [0-9a-f]{64}, "
+                                          r"the job pins 0{64}"):
+        train.run(job, plans.local(job, tmp_path / "work"))
+    assert not _ray_running() and not (tmp_path / "work" / "code" / "reward").exists()
+    ((_, reason, _),) = reporter.failures
+    assert reason == "RewardFunctionFailed"
