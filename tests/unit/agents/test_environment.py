@@ -120,3 +120,22 @@ def test_an_agent_failure_goes_to_the_job_status_as_agent_failed():
     (patch,) = reporter.patches
     assert patch["workloadError"] | {"time": None} == {"attempt": 2, "reason": "AgentFailed", "message": message,
                                                        "time": None}
+
+
+def test_an_environment_loads_from_its_source_directory_and_errors_name_the_source(tmp_path, monkeypatch):
+    import sys
+
+    from kuberl.api.types import CodeSource
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "staged_envs", raising=False)
+    code = tmp_path / "agent"
+    (code / "staged_envs").mkdir(parents=True)
+    (code / "staged_envs" / "__init__.py").write_text(
+        "class Echo:\n    def reset(self, task):\n        return 'say hi'\n"
+        "    def step(self, action):\n        return None\n")
+    source = CodeSource(uri="s3://code/envs.tar", sha256="0" * 64)
+    assert load_environment("staged_envs:Echo", source, str(code)).__name__ == "Echo"
+    with pytest.raises(AgentError, match=r"^spec.agent.environment: cannot import 'other_envs' from spec.agent.source "
+                                         r"\(s3://code/envs.tar \(sha256 0{64}\), at .*agent\)"):
+        load_environment("other_envs:Echo", source, str(code))

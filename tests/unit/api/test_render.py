@@ -409,3 +409,55 @@ def test_cpu_limit_none_leaves_the_cpu_limit_off_and_the_memory_limit_on():
     assert head == {"requests": {"cpu": "250m", "memory": "3Gi"}, "limits": {"memory": "3Gi"}}
     trainer = pods["trainer"]["containers"][0]["resources"]
     assert trainer["limits"]["cpu"] == trainer["requests"]["cpu"]  # the default: Guaranteed QoS
+
+
+def test_a_config_map_reward_source_is_mounted_read_only_in_every_pod_and_the_plan_names_it():
+    manifest = minimal_manifest("cm-code")
+    manifest["spec"]["reward"] = {"function": "my_rewards:score",
+                                  "source": {"configMap": {"name": "rewards", "key": "my_rewards.py"}}}
+    objs = _by_kind(render_manifest(manifest))
+    plan = plans.read(objs["ConfigMap"]["data"]["plan.yaml"])
+    assert (plan.paths.reward_code, plan.paths.agent_code) == ("/kuberl/code/reward", None)
+    mount = {"name": "code-reward", "mountPath": "/kuberl/code/reward", "readOnly": True}
+    for role, pod in _pods(objs["RayJob"]).items():
+        # Reward tasks run wherever Ray has CPUs: every pod has the code, read-only.
+        assert mount in pod["containers"][0]["volumeMounts"], role
+        # optional: a missing ConfigMap fails check-data naming it, not ContainerCreating forever.
+        assert {"name": "code-reward", "configMap": {"name": "rewards", "optional": True}} in pod["volumes"]
+        assert not any("code" in c["name"] and c["name"].startswith("stage") for c in pod["initContainers"])
+    check = next(c for c in _pods(objs["RayJob"])["head"]["initContainers"] if c["name"] == "check-data")
+    assert mount in check["volumeMounts"]
+
+
+def test_a_uri_source_is_staged_with_its_digest_and_an_agent_source_reaches_the_head_only():
+    digest = "ab" * 32
+    manifest = minimal_manifest("uri-code")
+    manifest["spec"]["data"]["credentials"] = {"name": "data-creds"}
+    manifest["spec"]["agent"] = {"environment": "my_envs:Env",
+                                 "source": {"uri": "pvc://code/envs.tar", "sha256": digest}}
+    objs = _by_kind(render_manifest(manifest))
+    plan = plans.read(objs["ConfigMap"]["data"]["plan.yaml"])
+    assert (plan.paths.reward_code, plan.paths.agent_code) == (None, "/kuberl/code/agent")
+    pods = _pods(objs["RayJob"])
+    stager = {c["name"]: c for c in pods["head"]["initContainers"]}["stage-agent-code"]
+    # Staged and checked whatever the scheme (a claim too), with the data's credentials, before check-data.
+    assert stager["args"] == ["stage", "--sha256", digest, "--field", "spec.agent.source",
+                              "pvc://code/envs.tar", "/kuberl/code/agent"]
+    assert stager["envFrom"] == [{"secretRef": {"name": "data-creds"}}]
+    assert {"name": "pvc-code", "mountPath": "/mnt/pvc/code", "readOnly": True} in stager["volumeMounts"]
+    names = [c["name"] for c in pods["head"]["initContainers"]]
+    assert names.index("stage-agent-code") < names.index("check-data")
+    # The environment runs in the driver, on the head: no other pod fetches it.
+    for role in ("trainer", "rollout"):
+        assert not any(c["name"] == "stage-agent-code" for c in pods[role]["initContainers"]), role
+
+
+def test_a_local_plan_carries_a_source_uri_to_fetch_and_no_directory_for_a_config_map(tmp_path):
+    manifest = minimal_manifest("local-code")
+    manifest["spec"]["reward"] = {"function": "m:f", "source": {"uri": "s3://code/m.py", "sha256": "0" * 64}}
+    assert plans.local(validate_manifest(manifest), tmp_path).paths.reward_code == "s3://code/m.py"
+    manifest["spec"]["reward"]["source"] = {"configMap": {"name": "rewards"}}
+    assert plans.local(validate_manifest(manifest), tmp_path).paths.reward_code is None
+    # With spec.agent the reward is not loaded, so its source is neither staged nor carried.
+    manifest["spec"]["agent"] = {"environment": "e:Env"}
+    assert plans.for_cluster(validate_manifest(manifest)).paths.reward_code is None

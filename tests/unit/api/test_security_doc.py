@@ -31,6 +31,15 @@ def every_secret_job() -> dict:
         "mlflow": {"trackingUri": "https://mlflow.example", "credentials": _secret("spec.tracking.mlflow.credentials")},
     }
     spec["rollout"] = {"gpusPerReplica": 1}  # engines in a group of their own, as the doc's table has them
+    # Code from URIs, not the image: the reward's reaches every pod, the environment's the head.
+    # (An agent's rewards replace spec.reward, so the two come from two jobs' worth of fields.)
+    spec["reward"] = {"function": "my_rewards:score", "source": {"uri": "s3://code/r.py", "sha256": "0" * 64}}
+    return job
+
+
+def every_secret_agent_job() -> dict:
+    job = every_secret_job()
+    job["spec"]["agent"] = {"environment": "my_envs:Env", "source": {"uri": "s3://code/e.tar", "sha256": "0" * 64}}
     return job
 
 
@@ -65,7 +74,8 @@ def test_the_docs_credential_matrix_is_what_render_produces():
             documented[(group, name)] = set(re.findall(r"`(spec\.[\w.]+)`", secrets))
 
     rendered = {}
-    for group, pod in _pods(render_manifest(every_secret_job())).items():
+    pods = [*_pods(render_manifest(every_secret_job())).items(), *_pods(render_manifest(every_secret_agent_job())).items()]
+    for group, pod in pods:
         for container in [*pod.get("initContainers", []), *pod["containers"]]:
             assert not any("valueFrom" in e for e in container.get("env", [])), container["name"]
             assert not any(m["name"].startswith("secret") for m in container.get("volumeMounts", []))

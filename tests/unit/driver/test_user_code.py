@@ -46,6 +46,32 @@ def test_reward_functions_and_environments_load_by_import_path(user_modules):
         load_environment("kuberl.rollout.agents.calculator:evaluate")
 
 
+def test_a_source_directory_goes_first_on_sys_path_and_errors_name_the_source_and_the_key(tmp_path, monkeypatch):
+    """A mounted ConfigMap as the kubelet writes it (files plus its hidden ..data entries)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "cm_rewards", raising=False)
+    mounted = tmp_path / "reward"
+    mounted.mkdir()
+    (mounted / "cm_rewards.py").write_text("def score(batch):\n    return [1.0 for _ in batch]\n")
+    (mounted / "..data").mkdir()
+    source = {"configMap": {"name": "rewards", "key": "cm_rewards.py"}}
+    spec = RewardSpec(function="cm_rewards:score", source=source)
+    assert load_reward(spec, str(mounted))([None]) == [1.0]
+    assert sys.path[0] == str(mounted)
+    missing_key = RewardSpec(function="cm_rewards:score", source={"configMap": {"name": "rewards", "key": "r.py"}})
+    with pytest.raises(RewardError, match=r"^spec.reward.source.configMap.key: ConfigMap rewards has no key 'r.py' "
+                                          r"\(its keys: cm_rewards.py\); add the key or fix the name$"):
+        load_reward(missing_key, str(mounted))
+    with pytest.raises(RewardError, match=r"spec.reward.function: cannot import 'other' from spec.reward.source "
+                                          r"\(ConfigMap rewards key cm_rewards.py, at .*reward\) .*add the module "
+                                          r"to the source"):
+        load_reward(RewardSpec(function="other:score", source=source), str(mounted))
+    # kuberl train has no ConfigMaps: the plan gives no directory, and the error says what to use.
+    with pytest.raises(RewardError, match=r"spec.reward.source: the code of ConfigMap rewards .* is not at None .*"
+                                          r"kuberl train needs source.uri"):
+        load_reward(spec, None)
+
+
 def _config(tmp_path, spec: dict) -> str:
     manifest = minimal_manifest("user-code")
     manifest["spec"].update(spec)
@@ -109,3 +135,25 @@ def test_kuberl_train_reports_a_missing_environment_class_before_ray_engines_or_
     assert (attempt, reason) == (2, "AgentFailed")
     assert message.startswith("spec.agent.environment: cannot import 'my_envs.search'")
     assert "install the module in the worker image or fix the module path" in message
+
+
+def test_kuberl_train_refuses_a_source_uri_whose_digest_differs_before_ray(tmp_path, monkeypatch):
+    """kuberl train fetches source.uri (a local file here) as the stager does in a pod."""
+    from kuberl.driver import __main__ as train
+    from kuberl.driver import report
+
+    if _ray_running():
+        pytest.skip("Ray already runs in this process; the check is that this run starts none")
+    reporter = RecordingReporter()
+    monkeypatch.setattr(report, "reporter_from_env", lambda: reporter)
+    (tmp_path / "my_rewards.py").write_text("def score(batch):\n    return [1.0] * len(batch)\n")
+    manifest = minimal_manifest("user-code")
+    manifest["spec"]["reward"] = {"function": "my_rewards:score",
+                                  "source": {"uri": str(tmp_path / "my_rewards.py"), "sha256": "0" * 64}}
+    job = validate_manifest(manifest)
+    with pytest.raises(RewardError, match=r"^spec.reward.source.sha256: .*my_rewards.py has sha256 [0-9a-f]{64}, "
+                                          r"the job pins 0{64}"):
+        train.run(job, plans.local(job, tmp_path / "work"))
+    assert not _ray_running() and not (tmp_path / "work" / "code" / "reward").exists()
+    ((_, reason, _),) = reporter.failures
+    assert reason == "RewardFunctionFailed"

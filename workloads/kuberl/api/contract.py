@@ -99,6 +99,12 @@ VALIDATION_DATA_DIR = f"{STAGE_DIR}/validation-data"
 # Pod-local scratch: each trainer rank writes its checkpoint shards below ``<scratch>/rank-<r>``
 # before uploading them, and nothing else ever reads them.
 SCRATCH_DIR = f"{STAGE_DIR}/scratch"
+# The job's own code when it is not in the image (spec.reward.source, spec.agent.source): a
+# ConfigMap mounted here read-only, or a URI the stager fetched and verified into here; the
+# directory goes first on sys.path of the processes that import the code.
+CODE_DIR = f"{STAGE_DIR}/code"
+REWARD_CODE_DIR = f"{CODE_DIR}/reward"
+AGENT_CODE_DIR = f"{CODE_DIR}/agent"
 # Where pvc://<claim>/<path> is mounted inside a pod (``PVC_ROOT_ENV`` tells the processes).
 PVC_ROOT = "/mnt/pvc"
 

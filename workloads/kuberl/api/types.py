@@ -16,7 +16,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from pydantic.alias_generators import to_camel
 
 from kuberl.api.uri import (CHECKPOINT_URI_PATTERN, DOT_SEGMENT_VIOLATION, MAX_REVISION_LENGTH,
-                        REVISION_IN_URI_VIOLATION, REVISION_RULES_TEXT, REVISION_VIOLATION, URI_PATTERN, SpecURI)
+                        CODE_URI_PATTERN, REVISION_IN_URI_VIOLATION, REVISION_RULES_TEXT, REVISION_VIOLATION, URI_PATTERN,
+                        SpecURI)
 
 GROUP = "kuberl.dev"
 VERSION = "v1alpha1"
@@ -192,11 +193,58 @@ class DataSpec(APIModel):
 
 RewardFunctionPath = import_path_type("reward.function", "function", "my_rewards.math:score")
 
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+# A ConfigMap key is a file name in the mounted directory (Kubernetes' own key rule).
+CONFIG_MAP_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+
+
+class ConfigMapCodeRef(APIModel):
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+                      description="Name of a ConfigMap in the job's namespace. Each key is a file of "
+                                  "the directory put on sys.path (e.g. key my_rewards.py: module my_rewards).")
+    key: str | None = Field(None, min_length=1, max_length=253, pattern=CONFIG_MAP_KEY_PATTERN,
+                            description="The key the module is in (e.g. my_rewards.py); checked before the "
+                                        "run starts, so a missing key fails naming it. Unset: the whole "
+                                        "ConfigMap.")
+
+
+class CodeSource(APIModel):
+    """Where the job's own Python code (a reward function, an environment class) comes from when it
+    is not in the image: its directory goes first on sys.path of the processes that import it."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(
+        rule("has(self.configMap) != has(self.uri)", "source: set exactly one of configMap or uri"),
+        rule("!has(self.uri) || has(self.sha256)",
+             "source.uri needs source.sha256, the sha256 of the file it names (sha256sum FILE): the "
+             "digest pins the code the job runs", ".sha256"),
+        rule("has(self.uri) || !has(self.sha256)", "source.sha256 pins a source.uri; remove it", ".sha256"),
+        rule("!has(self.uri) || self.uri.endsWith('.py') || self.uri.endsWith('.tar')",
+             "source.uri must name one .py module or one uncompressed .tar of a directory "
+             "(tar -cf code.tar -C DIR .)", ".uri"),
+        dot_segment_rule("uri", optional=True),
+    ))
+    config_map: ConfigMapCodeRef | None = Field(
+        None, description="A ConfigMap of the job's namespace, mounted read-only into the job's pods.")
+    uri: uri_type("source.uri", CODE_URI_PATTERN) | None = Field(
+        None, description="One .py file or uncompressed .tar archive at s3://, gs://, pvc://claim/path "
+                          "or an absolute path, fetched by the stager with spec.data.credentials.")
+    sha256: str | None = Field(None, pattern=SHA256_PATTERN, description="The sha256 of the file uri names "
+                               "(64 lowercase hex digits): the stager refuses any other bytes.")
+
+    def describe(self) -> str:
+        """The source as an error names it."""
+        if self.config_map is not None:
+            key = f" key {self.config_map.key}" if self.config_map.key else ""
+            return f"ConfigMap {self.config_map.name}{key}"
+        return f"{self.uri} (sha256 {self.sha256})"
+
 
 class RewardSpec(APIModel):
     model_config = ConfigDict(json_schema_extra=_rules(
         rule("has(self.builtin) != has(self.function)",
              "reward: set exactly one of builtin or function"),
+        rule("!has(self.source) || has(self.function)",
+             "reward.source holds the module of reward.function; set function, or remove source", ".source"),
     ))
     builtin: Literal["gsm8k_strict", "gsm8k_flexible", "repeat_letter"] | None = Field(
         None, description="A built-in reward (docs/rewards.md): gsm8k_strict (the number after the "
@@ -207,6 +255,8 @@ class RewardSpec(APIModel):
         None, description="An importable batch reward function, module.path:function, called with a list "
                     "of kuberl.driver.rewards.RewardInput (prompt, response, answer, data_source, "
                     "extra_info, token lengths) and returning one float per input (docs/rewards.md).")
+    source: CodeSource | None = Field(None, description="Where function's module comes from when it is "
+                                      "not in the image: a ConfigMap or a digest-pinned URI (docs/security.md).")
     workers: int = Field(1, ge=1, le=1024, description="Parallel reward workers (Ray tasks); the step's "
                          "samples are split evenly among them.")
     cpus_per_worker: float = Field(1.0, gt=0, le=64, description="CPUs each reward worker reserves.")
@@ -235,6 +285,8 @@ class AgentSpec(APIModel):
 
     model_config = ConfigDict(json_schema_extra=_rules(
         rule("has(self.environment) != has(self.harness)", "agent: set exactly one of environment or harness"),
+        rule("!has(self.source) || has(self.environment)",
+             "agent.source holds the module of agent.environment; set environment, or remove source", ".source"),
     ))
     environment: EnvironmentClassPath | None = Field(
         None, description="The environment class, module.path:Class (importable in the image), with "
@@ -242,6 +294,8 @@ class AgentSpec(APIModel):
                     "reward, done), the gymnasium / skyrl-gym shape; made once per episode. Its "
                     "rewards, summed over the episode, replace spec.reward. Embedded: "
                     "kuberl.rollout.agents.calculator:Calculator (a two-turn tool-use toy task).")
+    source: CodeSource | None = Field(None, description="Where environment's module comes from when it is "
+                                      "not in the image: a ConfigMap or a digest-pinned URI (docs/security.md).")
     harness: AgentHarnessSpec | None = Field(None, description="An agent program that talks to the "
                                              "endpoint's Anthropic or OpenAI API itself and returns a reward.")
     max_turns: int = Field(8, ge=1, le=1024, description="environment: model replies per episode at most; "

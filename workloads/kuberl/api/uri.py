@@ -134,6 +134,8 @@ def _pattern(schemes: list[SchemeInfo], *extra: str) -> str:
 URI_PATTERN = _pattern(list(SCHEMES.values()), _BARE_HF_PATTERN)
 # Where checkpoints may be written: object stores, a PVC or a mounted path (not the Hub).
 CHECKPOINT_URI_PATTERN = _pattern([info for info in SCHEMES.values() if info.checkpoints])
+# Where the job's own code may come from (spec.reward.source.uri): one file, so not a Hub repo.
+CODE_URI_PATTERN = _pattern([info for info in SCHEMES.values() if not info.hub])
 
 
 # A Hugging Face revision (branch, tag, "refs/pr/<n>" or a 40-hex commit id) goes into request

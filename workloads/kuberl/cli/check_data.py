@@ -18,6 +18,7 @@ from kuberl.api.validate import ManifestError, validate_manifest
 from kuberl.common.reward_values import RewardError
 from kuberl.driver.data import DataError, load_for_spec
 from kuberl.driver.preflight import check_user_code
+from kuberl.job import plan as plans
 from kuberl.rollout.agents.environment import AgentError
 
 
@@ -38,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         # The head pod's first container with the worker image: the code the job names is loaded
         # here too, so a missing module fails before Ray, engines or trainers start.
         try:
-            check_user_code(job.spec)
+            paths = plans.load(job, Path(args.config), Path.cwd()).paths
+            check_user_code(job.spec, paths.reward_code, paths.agent_code)
         except (RewardError, AgentError) as exc:
             print(f"kuberl check-data: {exc}", file=sys.stderr)
             return 1

@@ -12,6 +12,7 @@ import sys
 
 from kuberl.api.uri import URIError
 from kuberl.storage.checkpoints import checkpoint_to_restore
+from kuberl.storage.code import stage_code
 from kuberl.storage.errors import StorageError
 from kuberl.storage.staging import DEFAULT_PART_SIZE, DEFAULT_WORKERS, stage
 
@@ -48,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="SRC is a checkpoint root or one step-<n> checkpoint: stage the newest "
                              "complete checkpoint under the root (nothing, and exit 0, when there is "
                              "none yet), or the named one if complete")
+    parser.add_argument("--sha256", metavar="HEX",
+                        help="SRC is the job's own code (one .py or .tar file): refuse it unless its "
+                             "sha256 is HEX, and make DST the directory of its code")
+    parser.add_argument("--field", default="source",
+                        help="the spec field --sha256's source comes from, for errors (e.g. spec.reward.source)")
     parser.add_argument("--no-unpack", action="store_true",
                         help="keep a .tar source as a file instead of unpacking it")
     parser.add_argument("--log-interval", type=float, default=10.0, metavar="SECONDS",
@@ -63,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         print("kuberl stage: --workers and --part-size must be positive", file=sys.stderr)
         return 2
     try:
+        if args.sha256:
+            stage_code(args.src, args.dst, args.sha256, field=args.field)
+            print(f"kuberl stage: {args.field}: {args.src} (sha256 {args.sha256}) -> {args.dst}")
+            return 0
         src = args.src
         if args.checkpoint:
             src = checkpoint_to_restore(args.src)

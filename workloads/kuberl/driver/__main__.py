@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from kuberl.api.types import RLTrainingJob
+from kuberl.api.types import CodeSource, RLTrainingJob
 from kuberl.api.validate import ManifestError, validate_manifest
 from kuberl.driver import progress
 from kuberl.job import plan as plans
@@ -86,6 +86,8 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     from kuberl.driver.tracking import make_trackers
     from kuberl.rollout.pool import EnginePool
     from kuberl.storage import resolve
+    from kuberl.common.reward_values import RewardError
+    from kuberl.rollout.agents.environment import AgentError
     from kuberl.sync import make_weight_sync
     from kuberl.train.group import TrainerGroup
 
@@ -94,7 +96,14 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     with user_errors_reported(reporter, plan.attempt):
         # The job's own code first: a reward function or environment class that cannot be loaded
         # fails the job here, naming the field, before Ray, engines or trainers take any GPU time.
-        check_user_code(spec)
+        # A source's directory in a pod; kuberl train fetches and verifies source.uri itself,
+        # into the work dir beside the ranks' scratch.
+        code = Path(plan.paths.scratch).parent / "code"
+        reward_code = _fetched_code(plan.paths.reward_code, plans.reward_source(spec), code / "reward",
+                                    "spec.reward.source", RewardError)
+        agent_code = _fetched_code(plan.paths.agent_code, plans.agent_source(spec), code / "agent",
+                                   "spec.agent.source", AgentError)
+        check_user_code(spec, reward_code, agent_code)
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):  # inside a RayJob: the cluster kuberl render described
             ray.init(address=os.environ["RAY_ADDRESS"])
@@ -140,7 +149,7 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
                             data_path=data_path, checkpoints=checkpoints, reporter=reporter, preemption=preemption,
                             metrics_file=metrics_file, validation_path=validation_path, trackers=trackers,
                             exporter=lambda step: trainer.export_hugging_face(plan.checkpoints.export_uri_at(step)),
-                            notices=notices)
+                            notices=notices, reward_code=reward_code, agent_code=agent_code)
         driver.restore()
         if display is not None:
             display.start(driver.step, driver.total_steps,
@@ -149,6 +158,19 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
         if code == 0 and plan.checkpoints.export_hugging_face and driver.step >= driver.total_steps:
             trainer.export_hugging_face(plan.checkpoints.export_uri)
         return code
+
+
+def _fetched_code(path: str | None, source: CodeSource | None, work: Path, field: str,
+                  error: type[Exception]) -> str | None:
+    """``kuberl.storage.code.code_dir``, a source that cannot be fetched or does not match its
+    digest failing as the job's own code does (``error``, reported to status)."""
+    from kuberl.storage import StorageError
+    from kuberl.storage.code import code_dir
+
+    try:
+        return code_dir(path, source, work, field=field)
+    except StorageError as exc:
+        raise error(str(exc)) from None
 
 
 def local_slots(plan: plans.RunPlan) -> int:

@@ -172,7 +172,8 @@ class Driver:
                  tokenizer: Any, data_path: str, checkpoints: CheckpointManager, reporter: StatusReporter,
                  preemption: Preemption | None = None, metrics_file: Path | None = None,
                  validation_path: str | None = None, trackers: Trackers | None = None,
-                 exporter: Callable[[int], Any] | None = None, notices: Any = None):
+                 exporter: Callable[[int], Any] | None = None, notices: Any = None,
+                 reward_code: str | None = None, agent_code: str | None = None):
         self.job = job
         self.spec = job.spec
         self.plan = plan
@@ -191,7 +192,7 @@ class Driver:
         self.total_steps = (steps_for_epochs(algo.epochs, len(prompts), algo.prompts_per_step)
                             if algo.epochs else algo.total_steps)
         # With spec.agent the episodes' rewards replace spec.reward, which is then not loaded.
-        self.reward_fn = RewardWorkers(self.spec.reward) if self.spec.agent is None else None
+        self.reward_fn = RewardWorkers(self.spec.reward, reward_code) if self.spec.agent is None else None
         self.agent = None
         if self.spec.agent is not None:  # episodes through the endpoint, which records their tokens
             from kuberl.rollout.agents.episodes import AgentRollout
@@ -199,7 +200,7 @@ class Driver:
 
             episodes = EpisodeLog()
             self.agent = AgentRollout(self.spec, base_url=engines.serve(tokenizer, episodes=episodes),
-                                      model=engines.served_model_name, episodes=episodes)
+                                      model=engines.served_model_name, episodes=episodes, code_dir=agent_code)
         self.validator = None
         if self.spec.validation is not None:
             held_out = load_for_spec(validation_path or self.spec.validation.uri, self.spec,

@@ -11,11 +11,12 @@ from kuberl.driver.rewards import load_reward
 from kuberl.rollout.agents.environment import load_environment
 
 
-def check_user_code(spec: RLTrainingJobSpec) -> None:
+def check_user_code(spec: RLTrainingJobSpec, reward_code: str | None = None, agent_code: str | None = None) -> None:
     """Load the code the job names as a run will; raise ``RewardError`` or ``AgentError`` naming
     the field and the fix. Only what a run uses: with ``spec.agent`` the episodes' rewards
-    replace ``spec.reward``, and a harness is a program, not an import path."""
+    replace ``spec.reward``, and a harness is a program, not an import path. ``reward_code`` and
+    ``agent_code``: the directories of spec.reward.source and spec.agent.source here."""
     if spec.agent is None:
-        load_reward(spec.reward)
+        load_reward(spec.reward, reward_code)
     elif spec.agent.environment is not None:
-        load_environment(spec.agent.environment)
+        load_environment(spec.agent.environment, spec.agent.source, agent_code)

@@ -112,10 +112,13 @@ def reward_name(spec: RewardSpec) -> str:
     return f"spec.reward.builtin {spec.builtin}" if spec.builtin else f"spec.reward.function {spec.function}"
 
 
-def load_reward(spec: RewardSpec) -> RewardFn:
+def load_reward(spec: RewardSpec, code_dir: str | None = None) -> RewardFn:
+    """``code_dir``: where ``spec.source``'s code is in this process's pod (the plan's
+    ``paths.reward_code``, or the local copy ``kuberl train`` staged)."""
     if spec.builtin:
         return BUILTINS[spec.builtin]
-    fn = resolve(spec.function or "", "spec.reward.function", "function", RewardError)
+    fn = resolve(spec.function or "", "spec.reward.function", "function", RewardError, source=spec.source,
+                 source_dir=code_dir)
     if not callable(fn):
         raise RewardError(f"spec.reward.function: {spec.function} is a {type(fn).__name__}, not a function; "
                           f"name the reward function after ':'")
@@ -134,10 +137,10 @@ def score(fn: RewardFn, batch: Sequence[RewardInput], offset: int = 0, *, name: 
     return [as_reward(r, f"{name}: reward {offset + i}") for i, r in enumerate(rewards)]
 
 
-def _score_share(spec: RewardSpec, batch: list[RewardInput], offset: int) -> list[float]:
+def _score_share(spec: RewardSpec, code_dir: str | None, batch: list[RewardInput], offset: int) -> list[float]:
     """One reward worker: loads the function in its own process (by name: nothing unpicklable
     crosses Ray) and scores its share."""
-    return score(load_reward(spec), batch, offset, name=reward_name(spec))
+    return score(load_reward(spec, code_dir), batch, offset, name=reward_name(spec))
 
 
 class RewardWorkers:
@@ -150,11 +153,11 @@ class RewardWorkers:
     is cancelled with ``force``, which kills its worker process, and the step fails naming the
     function, the bound and the samples."""
 
-    def __init__(self, spec: RewardSpec):
+    def __init__(self, spec: RewardSpec, code_dir: str | None = None):
         import ray
 
-        load_reward(spec)
-        self.spec = spec
+        load_reward(spec, code_dir)
+        self.spec, self.code_dir = spec, code_dir
         self.name = reward_name(spec)
         self.timeout_s = float(spec.timeout_seconds)
         self._task = ray.remote(_score_share).options(num_cpus=spec.cpus_per_worker, max_retries=0)
@@ -166,7 +169,7 @@ class RewardWorkers:
         if not batch:
             return []
         per = -(-len(batch) // self.spec.workers)
-        shares = {self._task.remote(self.spec, batch[lo:lo + per], lo): (lo, min(lo + per, len(batch)) - 1)
+        shares = {self._task.remote(self.spec, self.code_dir, batch[lo:lo + per], lo): (lo, min(lo + per, len(batch)) - 1)
                   for lo in range(0, len(batch), per)}
         deadline = time.monotonic() + self.timeout_s
         pending = list(shares)

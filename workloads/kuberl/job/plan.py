@@ -20,8 +20,9 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from kuberl.api import uri as uris
 from kuberl.api import types as t
-from kuberl.api.contract import (DATA_DIR, MODEL_DIR, PLAN_FILE, ROLLOUT_GROUP, ROLLOUT_RESOURCE, SCRATCH_DIR,
-                             TRAINER_GROUP, TRAINER_RESOURCE, VALIDATION_DATA_DIR)
+from kuberl.api.contract import (AGENT_CODE_DIR, DATA_DIR, MODEL_DIR, PLAN_FILE, REWARD_CODE_DIR, ROLLOUT_GROUP,
+                                 ROLLOUT_RESOURCE, SCRATCH_DIR, TRAINER_GROUP, TRAINER_RESOURCE,
+                                 VALIDATION_DATA_DIR)
 
 EXPORT_DIR = "hf"
 # libyaml's safe loader when PyYAML has it (its wheels do): 15x faster than the pure-Python one,
@@ -89,6 +90,11 @@ class Paths(Frozen):
     data: str
     validation_data: str | None = None  # spec.validation.uri's copy; None without validation
     scratch: str
+    # The directories of spec.reward.source and spec.agent.source, where the run uses them (in a
+    # pod the mounted ConfigMap or the stager's verified copy; locally source.uri, fetched by
+    # kuberl.storage.code.code_dir); None: the code is in the image.
+    reward_code: str | None = None
+    agent_code: str | None = None
 
 
 class Checkpoints(Frozen):
@@ -180,6 +186,16 @@ def resume(spec: t.RLTrainingJobSpec, attempt: int) -> Resume:
     return Resume(newest_under=newest_under, explicit=explicit)
 
 
+def reward_source(spec: t.RLTrainingJobSpec) -> t.CodeSource | None:
+    """spec.reward.source where the run loads the reward function (with spec.agent, the episodes'
+    rewards replace spec.reward)."""
+    return spec.reward.source if spec.agent is None else None
+
+
+def agent_source(spec: t.RLTrainingJobSpec) -> t.CodeSource | None:
+    return spec.agent.source if spec.agent is not None else None
+
+
 def in_pod_path(uri: uris.SpecURI, staged_dir: str) -> str:
     """The path a container reads the spec's ``uri`` from: the staged copy, a mounted claim, or
     the path."""
@@ -195,7 +211,9 @@ def for_cluster(job: t.RLTrainingJob, attempt: int = 0) -> RunPlan:
                     data=in_pod_path(spec.data.uri, DATA_DIR),
                     validation_data=(in_pod_path(spec.validation.uri, VALIDATION_DATA_DIR)
                                      if spec.validation is not None else None),
-                    scratch=SCRATCH_DIR),
+                    scratch=SCRATCH_DIR,
+                    reward_code=REWARD_CODE_DIR if reward_source(spec) else None,
+                    agent_code=AGENT_CODE_DIR if agent_source(spec) else None),
         checkpoints=checkpoints(spec), resume=resume(spec, attempt))
 
 
@@ -209,8 +227,15 @@ def local(job: t.RLTrainingJob, work_dir: Path, attempt: int = 0) -> RunPlan:
         layout=process_layout(spec, slots=False),
         paths=Paths(model=spec.model.uri, model_revision=revision, data=spec.data.uri,
                     validation_data=spec.validation.uri if spec.validation is not None else None,
-                    scratch=str(Path(work_dir) / "scratch")),
+                    scratch=str(Path(work_dir) / "scratch"),
+                    reward_code=_local_code(reward_source(spec)), agent_code=_local_code(agent_source(spec))),
         checkpoints=checkpoints(spec), resume=resume(spec, attempt))
+
+
+def _local_code(source: t.CodeSource | None) -> str | None:
+    """Outside Kubernetes a source is its URI (a ConfigMap has no meaning there: None, and loading
+    the code says so)."""
+    return str(source.uri) if source is not None and source.uri is not None else None
 
 
 def read(text: str) -> RunPlan:

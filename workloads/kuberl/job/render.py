@@ -31,7 +31,7 @@ from kuberl.api.contract import (ATTEMPT_ANNOTATION, CONFIG_DIR, CONFIG_FILE, CO
                              JOB_LABEL, JOB_NAME_ENV, METRICS_PORT, METRICS_PORT_ENV, MODEL_DIR, NAMESPACE_ENV,
                              NOTICE_COMMAND, NOTICE_STOP_MARGIN_SECONDS, RAY_DRAIN_ENV,
                              PEER_NAMESPACE_LABEL, PLAN_FILE, PVC_ROOT, PVC_ROOT_ENV, RAY_DASHBOARD_PORT,
-                             RAY_METRICS_PORT, ROLE_ENV, ROLLOUT_GROUP, RUN_AS_USER, STAGE_DIR, TRAINER_GROUP,
+                             RAY_METRICS_PORT, REWARD_CODE_DIR, AGENT_CODE_DIR, ROLE_ENV, ROLLOUT_GROUP, RUN_AS_USER, STAGE_DIR, TRAINER_GROUP,
                              VALIDATION_DATA_DIR, config_map_name, labels, network_policy_name, ray_job_name,
                              workload_identity_name)
 from kuberl.api.uri import SpecURI
@@ -83,6 +83,31 @@ def _pvc_claims(uris_in_pod: list[SpecURI]) -> list[str]:
         if parsed.info.mounted and parsed.bucket not in claims:
             claims.append(parsed.bucket)
     return claims
+
+
+def _code_sources(job: t.RLTrainingJob, role: str) -> list[tuple[str, t.CodeSource, str]]:
+    """(name, source, in-pod directory) of each code source a pod of ``role`` loads: the reward
+    function in every pod (its Ray tasks run wherever CPUs are free, the driver checks it on the
+    head), the environment on the head, where the driver runs the episodes."""
+    out = []
+    if (source := plans.reward_source(job.spec)) is not None:
+        out.append(("reward", source, REWARD_CODE_DIR))
+    if role in (HEAD_ROLE, "stager") and (source := plans.agent_source(job.spec)) is not None:
+        out.append(("agent", source, AGENT_CODE_DIR))
+    return out
+
+
+def _code_mounts(job: t.RLTrainingJob, role: str) -> list[dict[str, Any]]:
+    """ConfigMap sources, read-only at their directory (URI sources are in the stage volume)."""
+    return [{"name": f"code-{name}", "mountPath": path, "readOnly": True}
+            for name, source, path in _code_sources(job, role) if source.config_map is not None]
+
+
+def _code_volumes(job: t.RLTrainingJob, role: str) -> list[dict[str, Any]]:
+    # optional: a missing ConfigMap (or key) must not hold the pod in ContainerCreating forever; the
+    # empty directory fails the head's check-data instead, naming the ConfigMap and the key.
+    return [{"name": f"code-{name}", "configMap": {"name": source.config_map.name, "optional": True}}
+            for name, source, _ in _code_sources(job, role) if source.config_map is not None]
 
 
 # --- containers ------------------------------------------------------------------------------
@@ -137,7 +162,8 @@ def _check_data_container(job: t.RLTrainingJob, name: str, path: str, res: t.Res
         "securityContext": _security_context(),
         "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
         "volumeMounts": [{"name": "kuberl-stage", "mountPath": STAGE_DIR},
-                         {"name": "kuberl-config", "mountPath": CONFIG_DIR, "readOnly": True}],
+                         {"name": "kuberl-config", "mountPath": CONFIG_DIR, "readOnly": True},
+                         *_code_mounts(job, HEAD_ROLE)],
     }
 
 
@@ -175,6 +201,10 @@ def _init_containers(job: t.RLTrainingJob, role: str, res: t.Resources, plan: pl
     if role == HEAD_ROLE and spec.validation is not None and _needs_stage(spec.validation.uri):
         out.append(_stage_container(job, "stage-validation-data", spec.validation.uri, VALIDATION_DATA_DIR,
                                     spec.data.credentials, res, []))
+    for name, source, path in _code_sources(job, role):
+        if source.uri is not None:  # fetched and checked against its digest whatever the scheme
+            out.append(_stage_container(job, f"stage-{name}-code", source.uri, path, spec.data.credentials, res,
+                                        ["--sha256", source.sha256, "--field", f"spec.{name}.source"]))
     if role == HEAD_ROLE:
         out.append(_check_data_container(job, "check-data", plan.paths.data, res, False))
         if plan.paths.validation_data is not None:
@@ -194,6 +224,8 @@ def _read_claims(job: t.RLTrainingJob, role: str, plan: plans.RunPlan | None = N
         read.append(spec.data.uri)
         if spec.validation is not None:
             read.append(spec.validation.uri)
+    if role == "stager":
+        read += [source.uri for _, source, _ in _code_sources(job, role) if source.uri is not None]
     if role == TRAINER_GROUP and plan is not None and plan.resume.explicit:
         read.append(spec.checkpoint.resume)  # the plan's explicit resume (kuberl.job.plan.resume), parsed
     return _pvc_claims(read)
@@ -236,6 +268,7 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
         # NCCL and Ray's object store need a large /dev/shm; the container default is 64 MiB.
         {"name": "dshm", "mountPath": "/dev/shm"},
         *_pvc_mounts(_read_claims(job, role, plan), _write_claims(job, role)),
+        *_code_mounts(job, role),
     ]
     container = {
         "name": f"ray-{role}",
@@ -263,6 +296,7 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         *({"name": f"pvc-{c}", "persistentVolumeClaim": {"claimName": c, "readOnly": c not in writes}}
           for c in claims),
+        *_code_volumes(job, role),
     ]
     pod_spec: dict[str, Any] = {
         "serviceAccountName": workload_identity_name(job.metadata.name),

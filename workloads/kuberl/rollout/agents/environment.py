@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
+from kuberl.api.types import CodeSource
 from kuberl.common.prompts import checked_chat
 from kuberl.common.reward_values import as_reward
 from kuberl.common.usercode import resolve
@@ -56,9 +57,10 @@ class Environment(Protocol):
 FIELD = "spec.agent.environment"
 
 
-def load_environment(path: str) -> type[Environment]:
-    """The class ``module.path:Class`` names; errors name the field and what to fix."""
-    cls = resolve(path, FIELD, "class", AgentError)
+def load_environment(path: str, source: CodeSource | None = None, code_dir: str | None = None) -> type[Environment]:
+    """The class ``module.path:Class`` names, from ``source``'s directory ``code_dir`` when the
+    job names one (``spec.agent.source``); errors name the field and what to fix."""
+    cls = resolve(path, FIELD, "class", AgentError, source=source, source_dir=code_dir)
     if not isinstance(cls, type):
         raise AgentError(f"{FIELD}: {path} is a {type(cls).__name__}, not a class; name the environment "
                          f"class after ':'")

@@ -121,13 +121,13 @@ def task_json(prompt: Prompt, seed: int, max_tokens: int) -> str:
 class AgentRollout:
     """Runs episodes against the endpoint at ``base_url``, which records them in ``episodes``."""
 
-    def __init__(self, spec: Any, *, base_url: str, model: str, episodes: EpisodeLog):
+    def __init__(self, spec: Any, *, base_url: str, model: str, episodes: EpisodeLog, code_dir: str | None = None):
         self.agent = spec.agent
         algorithm = spec.algorithm
         self.max_tokens = self.agent.max_tokens_per_turn or spec.rollout.max_response_length
         self.sampling = EpisodeSampling(temperature=algorithm.temperature, top_p=algorithm.top_p,
                                         top_k=algorithm.top_k, stop=tuple(algorithm.stop), max_tokens=self.max_tokens)
-        self.environment = load_environment(self.agent.environment) if self.agent.environment else None
+        self.environment = load_environment(self.agent.environment, self.agent.source, code_dir) if self.agent.environment else None
         self.step_timeout_s = float(self.agent.step_timeout_seconds)
         self.base_url, self.model, self.episodes = base_url, model, episodes
 
