@@ -4,7 +4,7 @@ checkpoints the step in flight at the next step boundary; the hook holds the pod
 checkpoint is committed, and only then does the pod go. The driver then recovers the trainer group
 in place from that checkpoint or a newer one (same attempt, same Ray cluster): no step done before
 the notice is lost. The job's periodic checkpoints are too far apart to count, so the restored one
-is the notice's."""
+is the notice's. The job's reward function comes from a ConfigMap, not the image (issue 35)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from tests.harness.harness import REPO_ROOT
 from tests.harness.helpers import get_json, wait_for
 from tests.e2e.conftest import NAMESPACE, example, record_timing
 
@@ -32,7 +33,10 @@ def step(status: dict) -> int:
 
 @pytest.mark.timeout(2400)
 def test_a_trainer_pod_deleted_gracefully_commits_the_step_in_flight_and_loses_no_step(product):
-    manifest = example(JOB)
+    product.kubectl("create", "configmap", "letter-rewards", "-n", NAMESPACE,
+                    f"--from-file={REPO_ROOT}/examples/reward-code/letter_rewards.py")
+    manifest = example(JOB, reward={"function": "letter_rewards:share_of_letter",
+                                    "source": {"configMap": {"name": "letter-rewards", "key": "letter_rewards.py"}}})
     spec = manifest["spec"]
     spec["algorithm"]["totalSteps"] = STEPS
     spec["trainer"]["replicas"] = 1
@@ -40,6 +44,11 @@ def test_a_trainer_pod_deleted_gracefully_commits_the_step_in_flight_and_loses_n
     product.apply(manifest)
     product.wait_status(JOB, "its third step", lambda s: step(s) >= 3, TIMEOUT_S)
 
+    # The reward scored these steps from the ConfigMap, mounted in every pod (Ray runs reward
+    # tasks wherever a CPU is free).
+    for pod in get_json(product.cluster, "pods", "-n", NAMESPACE, "-l", f"kuberl.dev/job={JOB}")["items"]:
+        mounted = [v["configMap"]["name"] for v in pod["spec"]["volumes"] if "configMap" in v]
+        assert "letter-rewards" in mounted, (pod["metadata"]["name"], mounted)
     trainers = get_json(product.cluster, "pods", "-n", NAMESPACE, "-l", f"kuberl.dev/job={JOB},kuberl.dev/role=trainer")
     [trainer] = [p["metadata"]["name"] for p in trainers["items"]]
     at = step(product.status(JOB))
@@ -64,8 +73,8 @@ def test_a_trainer_pod_deleted_gracefully_commits_the_step_in_flight_and_loses_n
     assert notice and notice.group(1) == trainer, log[-3000:]
     noticed, restored = int(notice.group(2)), int(recovered.group(3))
     # The restored checkpoint covers the step in flight at the delete: nothing done before the
-    # notice is lost. Steps the driver completed between the commit and the pod's end (the hook's
-    # poll, then the kubelet's SIGTERM) run again; they are counted, not lost to the notice.
+    # notice is lost. No step begins before the commit; one begun between the commit and the
+    # pod's end (the hook's poll, then the kubelet's SIGTERM) runs again, counted, not lost.
     assert restored >= noticed > at, (at, noticed, restored)
     completed = max(int(m.group(1)) for m in STEP_LINE.finditer(log[:recovered.start()]))
     record_timing("trainer pod delete: notice at step / restored / steps run again",
