@@ -40,9 +40,10 @@ def _effective(spec: dict[str, Any], kind: str, resource: str) -> float:
     return max(running, init)
 
 
-def pod_usage(uid: str, labels: dict[str, str], spec: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+def pod_usage(meta: dict[str, Any], spec: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
     """The little the accounting needs of a pod (kept in the operator's pod index instead of the
-    pod's spec): its role, what it holds, its first container start and, once over, its last end."""
+    pod's spec): its role, what it holds, its first container start, once over its last end, and
+    whether its deletion was asked for."""
     starts, ends = [], []
     for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
         for state in (cs.get("state") or {}, cs.get("lastState") or {}):
@@ -55,9 +56,9 @@ def pod_usage(uid: str, labels: dict[str, str], spec: dict[str, Any], status: di
     end = None
     if start and status.get("phase") in FINISHED_POD_PHASES:
         end = max(ends, key=parse_time) if ends else start
-    return {"uid": uid, "role": labels.get(ROLE_LABEL, "unknown"),
+    return {"uid": meta.get("uid"), "role": (meta.get("labels") or {}).get(ROLE_LABEL, "unknown"),
             "gpus": _effective(spec, "limits", GPU_RESOURCE), "cpus": _effective(spec, "requests", "cpu"),
-            "start": start, "end": end}
+            "start": start, "end": end, "deleting": bool(meta.get("deletionTimestamp"))}
 
 
 def _add(totals: dict[str, dict[str, float]], role: str, gpu: float, cpu: float) -> None:
@@ -72,9 +73,11 @@ def account(previous: dict[str, Any] | None, usages: list[dict[str, Any]], now: 
     """The job's ``status.cost`` (wire form) from the one recorded before, the pods it has now
     (``pod_usage`` of each) and the time; empty while no pod of the job has run.
 
-    Between pods coming, starting, ending or going, the running pods' growing figures are written
-    at most every ``refresh_seconds`` (``previous`` comes back as it was), so a running job costs
-    the API server one status write per that interval, not one per reconcile.
+    Between pods coming, starting, ending, being deleted or going, the running pods' growing
+    figures are written at most every ``refresh_seconds`` (``previous`` comes back as it was), so a
+    running job costs the API server one status write per that interval, not one per reconcile. A
+    pod whose deletion was asked for is written at once: what it cost until then is kept even if
+    it is gone before the operator sees it end.
     """
     previous = previous or {}
     before = {pod["uid"]: pod for pod in previous.get("pods") or []}
@@ -90,6 +93,7 @@ def account(previous: dict[str, Any] | None, usages: list[dict[str, Any]], now: 
         seconds = max(0.0, (end - start).total_seconds())
         pods[usage["uid"]] = {
             "uid": usage["uid"], "role": usage["role"], "start": format_time(start), "ended": usage["end"] is not None,
+            "deleting": usage["deleting"],
             "gpuSeconds": max(round(seconds * usage["gpus"], 1), old.get("gpuSeconds", 0.0)),
             "cpuSeconds": max(round(seconds * usage["cpus"], 1), old.get("cpuSeconds", 0.0)),
         }
@@ -99,8 +103,8 @@ def account(previous: dict[str, Any] | None, usages: list[dict[str, Any]], now: 
     for uid, gone in before.items():
         if uid not in present:
             _add(settled, gone["role"], gone["gpuSeconds"], gone["cpuSeconds"])
-    same_pods = {u: (p["start"], p["ended"]) for u, p in pods.items()} == {
-        u: (p.get("start"), p.get("ended")) for u, p in before.items()}
+    same_pods = {u: (p["start"], p["ended"], p["deleting"]) for u, p in pods.items()} == {
+        u: (p.get("start"), p.get("ended"), p.get("deleting", False)) for u, p in before.items()}
     updated = parse_time(previous.get("updatedTime"))
     fresh = updated is not None and (now - updated).total_seconds() < refresh_seconds
     priced = ("estimatedCost" in previous) == (gpu_hour_price is not None)

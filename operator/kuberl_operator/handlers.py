@@ -225,9 +225,10 @@ def register(registry: kopf.OperatorRegistry) -> None:
 
     @kopf.index("v1", "pods", id="pods_by_job", **owned)
     def pods_by_job(namespace, labels, meta, spec, status, **_):
+        # The pod's usage, not its spec: the accounting (kuberl_operator.cost) needs a few numbers.
         kept = {k: _plain(status[k]) for k in ("phase", "conditions", "initContainerStatuses") if k in status}
         return {(namespace, labels[JOB_LABEL]): {"metadata": _slim_meta(meta), "status": kept,
-                                                 "usage": pod_usage(meta.get("uid"), labels, spec, status)}}
+                                                 "usage": pod_usage(meta, spec, status)}}
 
     def _capture(memo, kwargs) -> Controller:
         controller: Controller = memo.controller

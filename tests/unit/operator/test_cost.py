@@ -20,7 +20,7 @@ def at(seconds: float) -> str:
 
 
 def usage(uid: str, role: str, *, started: float | None, finished: float | None = None, gpus: int = 0,
-          cpu: str = "1", phase: str | None = None, restarted_at: float | None = None) -> dict:
+          cpu: str = "1", phase: str | None = None, restarted_at: float | None = None, deleted: float | None = None) -> dict:
     """``pod_usage`` of a one-container pod started ``started`` s after NOW (None: Pending), over at
     ``finished``; ``restarted_at``: the container restarted then (lastState holds the run before)."""
     limits = {"nvidia.com/gpu": str(gpus)} if gpus else {}
@@ -38,7 +38,8 @@ def usage(uid: str, role: str, *, started: float | None, finished: float | None 
         if restarted_at is not None:
             cs["lastState"] = {"terminated": {"startedAt": at(restarted_at - 60), "finishedAt": at(restarted_at - 5)}}
         status["containerStatuses"] = [cs]
-    return pod_usage(uid, {"kuberl.dev/role": role}, spec, status)
+    meta = {"uid": uid, "labels": {"kuberl.dev/role": role}, **({"deletionTimestamp": at(deleted)} if deleted else {})}
+    return pod_usage(meta, spec, status)
 
 
 def run(previous, usages, seconds: float, **kwargs) -> dict:
@@ -77,6 +78,14 @@ def test_a_replaced_pod_is_settled_once_and_its_replacement_counted_beside_it():
     assert gpu(cost, "rollout") == 300 + 600
     again = run(cost, [new], 1000)
     assert gpu(again, "rollout") == 900 and again["settled"] == cost["settled"], "the gone pod is settled once"
+
+
+def test_a_pod_being_deleted_is_written_at_once_so_it_is_settled_to_its_deletion():
+    pod = usage("r", "rollout", started=0, gpus=1)
+    cost = run(None, [pod], 10, refresh=300)
+    deleting = run(cost, [usage("r", "rollout", started=0, gpus=1, deleted=100)], 100, refresh=300)
+    assert gpu(deleting, "rollout") == 100, "not held back by the refresh interval"
+    assert run(deleting, [], 120, refresh=300)["settled"]["rollout"]["gpuSeconds"] == 100
 
 
 def test_an_operator_restart_loses_nothing_the_status_kept():

@@ -816,6 +816,7 @@ class PodCost(APIModel):
     role: str = Field(max_length=63)
     start: datetime = Field(description="The pod's first container start.")
     ended: bool = Field(False, description="Whether the pod is over (its cost no longer grows).")
+    deleting: bool = Field(False, description="Whether the pod's deletion was asked for.")
     gpu_seconds: float = Field(0.0, ge=0)
     cpu_seconds: float = Field(0.0, ge=0)
 
