@@ -30,13 +30,15 @@ class JobsByPhase(Collector):
 class JobCosts(Collector):
     """Each job's status.cost at scrape time, from the operator's job cache (deleted jobs drop out):
     ``kuberl_job_gpu_seconds_total`` and ``kuberl_job_cpu_seconds_total`` by role, the estimated
-    cost and tokens per GPU-hour where status has them."""
+    cost and tokens per GPU-hour where status has them. The job is named by ``job_namespace`` and
+    ``job_name``: Prometheus sets ``job`` and ``namespace`` on every series of the operator's
+    scrape target (its own), which would rename labels of those names."""
 
     def __init__(self, costs: Callable[[], Iterable[tuple[str, str, dict]]]) -> None:
         self.costs = costs
 
     def collect(self):
-        job = ["namespace", "job"]
+        job = ["job_namespace", "job_name"]
         gpu = CounterMetricFamily("kuberl_job_gpu_seconds", "GPU-seconds of the job's pods (limits x lifetime)",
                                   labels=[*job, "role"])
         cpu = CounterMetricFamily("kuberl_job_cpu_seconds", "CPU-seconds of the job's pods (requests x lifetime)",

@@ -68,10 +68,10 @@ def test_gpu_seconds_per_role_match_the_pods_lifetimes_times_their_requests(k8s_
         row = printed_row(k8s_cluster.kubectl("get", "rltj", JOB, "-n", namespace, "-o", "wide").stdout)
         assert float(row["GPU-HOURS"]) == pytest.approx(job_status(k8s_cluster, namespace)["cost"]["gpuHours"], abs=0.01)
         metrics = operator.metrics()
-        line = re.search(rf'kuberl_job_gpu_seconds_total{{job="{JOB}",namespace="{namespace}",role="trainer"}} (\S+)',
+        line = re.search(rf'kuberl_job_gpu_seconds_total{{job_name="{JOB}",job_namespace="{namespace}",role="trainer"}} (\S+)',
                          metrics)
         assert line and float(line.group(1)) >= cost["roles"]["trainer"]["gpuSeconds"]
-        assert f'kuberl_job_estimated_cost{{job="{JOB}",namespace="{namespace}"}}' in metrics
+        assert f'kuberl_job_estimated_cost{{job_name="{JOB}",job_namespace="{namespace}"}}' in metrics
 
         # A restarted operator goes on from the totals in status: nothing lost, nothing counted twice.
         before = job_status(k8s_cluster, namespace)["cost"]
