@@ -72,7 +72,7 @@ async def run(args: argparse.Namespace) -> None:
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(args.workers, thread_name_prefix="reconcile"))
     registry = kopf.OperatorRegistry()
     register(registry)
-    metrics = Metrics(lambda: controller.job_phases(), costs=lambda: controller.job_costs())
+    metrics = Metrics(lambda: controller.job_phases(), statuses=lambda: controller.job_statuses())
     controller = Controller(Kube(load_client(args.kubeconfig, pool_size=args.workers)), settings, metrics)
     if args.metrics_port:
         start_http_server(args.metrics_port, args.metrics_address, registry=controller.metrics.registry)

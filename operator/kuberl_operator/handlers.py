@@ -72,13 +72,13 @@ class Controller:
             return []
         return [((body.get("status") or {}).get("phase")) for key in list(jobs) for body in jobs.get(key, [])]
 
-    def job_costs(self) -> list[tuple[str, str, dict[str, Any]]]:
-        """(namespace, name, status.cost) of every job that has one."""
+    def job_statuses(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """(namespace, name, status) of every job that has one (the cost metrics read them)."""
         jobs = self.indices.get("jobs_by_key")
         if jobs is None:
             return []
-        return [(ns, name, cost) for (ns, name) in list(jobs) for body in jobs.get((ns, name), [])
-                if (cost := (body.get("status") or {}).get("cost"))]
+        return [(ns, name, status) for (ns, name) in list(jobs) for body in jobs.get((ns, name), [])
+                if (status := body.get("status"))]
 
     def _one(self, index: str, key: Key) -> dict[str, Any] | None:
         store = self.indices[index].get(key, [])

@@ -30,12 +30,13 @@ class JobsByPhase(Collector):
 class JobCosts(Collector):
     """Each job's status.cost at scrape time, from the operator's job cache (deleted jobs drop out):
     ``kuberl_job_gpu_seconds_total`` and ``kuberl_job_cpu_seconds_total`` by role, the estimated
-    cost and tokens per GPU-hour where status has them. The job is named by ``job_namespace`` and
+    cost and tokens per GPU-hour where status has them, and the driver's status.progress.gpuBusy
+    (``kuberl_job_gpu_busy_ratio`` by role). The job is named by ``job_namespace`` and
     ``job_name``: Prometheus sets ``job`` and ``namespace`` on every series of the operator's
     scrape target (its own), which would rename labels of those names."""
 
-    def __init__(self, costs: Callable[[], Iterable[tuple[str, str, dict]]]) -> None:
-        self.costs = costs
+    def __init__(self, statuses: Callable[[], Iterable[tuple[str, str, dict]]]) -> None:
+        self.statuses = statuses
 
     def collect(self):
         job = ["job_namespace", "job_name"]
@@ -46,7 +47,12 @@ class JobCosts(Collector):
         price = GaugeMetricFamily("kuberl_job_estimated_cost", "GPU-hours x the operator's --gpu-hour-price", labels=job)
         tokens = GaugeMetricFamily("kuberl_job_tokens_per_gpu_hour", "Tokens per GPU-hour at the job's last step",
                                    labels=job)
-        for namespace, name, cost in self.costs():
+        busy = GaugeMetricFamily("kuberl_job_gpu_busy_ratio", "Share of the last step's wall time a role's GPUs "
+                                 "were busy (status.progress.gpuBusy)", labels=[*job, "role"])
+        for namespace, name, status in self.statuses():
+            cost = status.get("cost") or {}
+            for role, share in ((status.get("progress") or {}).get("gpuBusy") or {}).items():
+                busy.add_metric([namespace, name, role], share)
             for role, total in (cost.get("roles") or {}).items():
                 gpu.add_metric([namespace, name, role], total.get("gpuSeconds", 0))
                 cpu.add_metric([namespace, name, role], total.get("cpuSeconds", 0))
@@ -54,15 +60,15 @@ class JobCosts(Collector):
                 price.add_metric([namespace, name], cost["estimatedCost"])
             if cost.get("tokensPerGpuHour") is not None:
                 tokens.add_metric([namespace, name], cost["tokensPerGpuHour"])
-        yield from (gpu, cpu, price, tokens)
+        yield from (gpu, cpu, price, tokens, busy)
 
 
 class Metrics:
     def __init__(self, phases: Callable[[], Iterable[str | None]], registry: CollectorRegistry | None = None,
-                 costs: Callable[[], Iterable[tuple[str, str, dict]]] = tuple) -> None:
+                 statuses: Callable[[], Iterable[tuple[str, str, dict]]] = tuple) -> None:
         self.registry = registry or CollectorRegistry()
         self.registry.register(JobsByPhase(phases))
-        self.registry.register(JobCosts(costs))
+        self.registry.register(JobCosts(statuses))
         self.reconcile_duration = Histogram(
             "kuberl_operator_reconcile_duration_seconds", "Time to reconcile one RLTrainingJob",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=self.registry)

@@ -743,6 +743,10 @@ class Progress(APIModel):
     total_steps: int = 0
     reward: float | None = None
     tokens_per_second: float | None = None
+    gpu_busy: dict[str, Annotated[float, Field(ge=0, le=1)]] = Field(
+        default_factory=dict, max_length=4, description=(
+            "By role (trainer, rollout), the share of the last step's wall time its GPUs were busy: "
+            "the trainer in logprobs and update, the rollout engines in generate; the rest is idle."))
     updated_time: datetime | None = None
     validation_reward: float | None = None
     validation_step: int | None = None
