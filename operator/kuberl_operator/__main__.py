@@ -48,24 +48,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resync", type=float, default=60.0, help="seconds between full resyncs of every job")
     p.add_argument("--workers", type=int, default=16,
                    help="reconciles running at once (threads: the kubernetes client blocks on I/O)")
+    p.add_argument("--gpu-hour-price", type=float, default=None, metavar="PRICE",
+                   help="price of one GPU-hour: each job's status.cost.estimatedCost (default: no estimate)")
+    p.add_argument("--cost-refresh", type=float, default=300.0,
+                   help="seconds between writes of a running job's growing status.cost (pod changes: at once)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     if not args.namespace and not args.all_namespaces:
         p.error("give --namespace NS (repeatable) or --all-namespaces")
     for value, flag in ((args.restart_backoff, "--restart-backoff"), (args.restart_backoff_max, "--restart-backoff-max"),
-                        (args.resync, "--resync"), (args.workers, "--workers")):
+                        (args.resync, "--resync"), (args.workers, "--workers"), (args.cost_refresh, "--cost-refresh")):
         if value <= 0:
             p.error(f"{flag} must be > 0, got {value}")
+    if args.gpu_hour_price is not None and not 0 <= args.gpu_hour_price < float("inf"):
+        p.error(f"--gpu-hour-price (chart value operator.gpuHourPrice) must be a number >= 0, got {args.gpu_hour_price}")
     return args
 
 
 async def run(args: argparse.Namespace) -> None:
     settings = Settings(restart_backoff_seconds=args.restart_backoff,
-                        restart_backoff_max_seconds=args.restart_backoff_max, resync_seconds=args.resync)
+                        restart_backoff_max_seconds=args.restart_backoff_max, resync_seconds=args.resync,
+                        cost_refresh_seconds=args.cost_refresh, gpu_hour_price=args.gpu_hour_price)
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(args.workers, thread_name_prefix="reconcile"))
     registry = kopf.OperatorRegistry()
     register(registry)
-    controller = Controller(Kube(load_client(args.kubeconfig, pool_size=args.workers)), settings, Metrics(lambda: controller.job_phases()))
+    metrics = Metrics(lambda: controller.job_phases(), statuses=lambda: controller.job_statuses())
+    controller = Controller(Kube(load_client(args.kubeconfig, pool_size=args.workers)), settings, metrics)
     if args.metrics_port:
         start_http_server(args.metrics_port, args.metrics_address, registry=controller.metrics.registry)
 

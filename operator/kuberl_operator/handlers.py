@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from kuberl.api import types as t
 from kuberl.api.contract import JOB_LABEL
 from kuberl_operator import observed as o
+from kuberl_operator.cost import pod_usage
 from kuberl_operator.invalid import checked_plan
 from kuberl_operator.kube import Kube
 from kuberl_operator.metrics import Metrics
@@ -71,6 +72,14 @@ class Controller:
             return []
         return [((body.get("status") or {}).get("phase")) for key in list(jobs) for body in jobs.get(key, [])]
 
+    def job_statuses(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """(namespace, name, status) of every job that has one (the cost metrics read them)."""
+        jobs = self.indices.get("jobs_by_key")
+        if jobs is None:
+            return []
+        return [(ns, name, status) for (ns, name) in list(jobs) for body in jobs.get((ns, name), [])
+                if (status := body.get("status"))]
+
     def _one(self, index: str, key: Key) -> dict[str, Any] | None:
         store = self.indices[index].get(key, [])
         return next(iter(store), None)
@@ -83,12 +92,13 @@ class Controller:
         config_map = next((cm for cm in self.indices["config_maps_by_job"].get(key, []) if _owned_by(cm, uid)), None)
         clusters = {rc["metadata"]["name"]: rc for rc in self.indices["ray_clusters_by_job"].get(key, [])}
         pods = list(self.indices["pods_by_job"].get(key, []))
+        usages = [p["usage"] for p in pods]
         # The current attempt's cluster and pods only: earlier attempts' pods may still be terminating.
         current = max(ray_jobs.values(), key=o.attempt_of, default=None)
         cluster_name = ((current or {}).get("status") or {}).get("rayClusterName")
         cluster = clusters.get(cluster_name) if cluster_name else None
         pods = [p for p in pods if cluster_name and p["metadata"].get("labels", {}).get("ray.io/cluster") == cluster_name]
-        return o.Observed(ray_jobs=ray_jobs, config_map=config_map, ray_cluster=cluster, pods=pods)
+        return o.Observed(ray_jobs=ray_jobs, config_map=config_map, ray_cluster=cluster, pods=pods, usages=usages)
 
     async def _reconcile_key(self, key: Key) -> float | None:
         """``WorkQueue``'s reconcile: the job's newest copy, reconciled in a worker thread."""
@@ -214,9 +224,11 @@ def register(registry: kopf.OperatorRegistry) -> None:
         return {(namespace, labels[JOB_LABEL]): {"metadata": _slim_meta(meta), "data": _plain(body.get("data", {}))}}
 
     @kopf.index("v1", "pods", id="pods_by_job", **owned)
-    def pods_by_job(namespace, labels, meta, status, **_):
+    def pods_by_job(namespace, labels, meta, spec, status, **_):
+        # The pod's usage, not its spec: the accounting (kuberl_operator.cost) needs a few numbers.
         kept = {k: _plain(status[k]) for k in ("phase", "conditions", "initContainerStatuses") if k in status}
-        return {(namespace, labels[JOB_LABEL]): {"metadata": _slim_meta(meta), "status": kept}}
+        return {(namespace, labels[JOB_LABEL]): {"metadata": _slim_meta(meta), "status": kept,
+                                                 "usage": pod_usage(meta, spec, status)}}
 
     def _capture(memo, kwargs) -> Controller:
         controller: Controller = memo.controller

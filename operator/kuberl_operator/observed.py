@@ -33,6 +33,8 @@ class Observed:
     config_map: dict[str, Any] | None = None
     ray_cluster: dict[str, Any] | None = None
     pods: list[dict[str, Any]] = field(default_factory=list)
+    # ``cost.pod_usage`` of every pod with the job's label, of every attempt (the accounting's input).
+    usages: list[dict[str, Any]] = field(default_factory=list)
 
 
 def attempt_of(ray_job: dict[str, Any]) -> int:

@@ -33,6 +33,7 @@ from kuberl.api import types as t
 from kuberl.api.contract import CONFIG_FILE, PLAN_FILE, ROLE_LABEL, ROLLOUT_GROUP, ray_job_name
 from kuberl.job.render import render
 from kuberl_operator import observed as o
+from kuberl_operator.cost import account
 from kuberl_operator.status import (FINISHED_PHASES, ROLLOUT_SCALED, SUSPENDED, compute_status,
                                     current_workload_error, finished_status)
 
@@ -55,6 +56,11 @@ class Settings:
     # RolloutScaled condition says it is stuck. The driver does so at its next step boundary, so
     # this is one step's time with room to spare: as long as a suspend waits for a step's checkpoint.
     scale_down_timeout_seconds: float = 600.0
+    # How often a running job's growing status.cost is written (one status write per job each time;
+    # pods coming, starting, ending or going are written at once).
+    cost_refresh_seconds: float = 300.0
+    # Price of one GPU-hour (chart value cost.gpuHourPrice): status.cost.estimatedCost; None: no estimate.
+    gpu_hour_price: float | None = None
 
 
 @dataclass
@@ -308,6 +314,17 @@ def recovery_events(status: t.RLTrainingJobStatus | None) -> tuple[list[Event], 
     return events, posted
 
 
+def with_cost(status: dict[str, Any], job: t.RLTrainingJob, observed: o.Observed, now: datetime,
+              settings: Settings) -> dict[str, Any]:
+    """``status`` with ``cost`` brought up to date from every pod the job has (``cost.account``)."""
+    old = job.status.cost.model_dump(mode="json", by_alias=True, exclude_none=True) if job.status and job.status.cost else None
+    progress = job.status.progress if job.status else None
+    new = account(old, observed.usages, now, refresh_seconds=settings.cost_refresh_seconds,
+                  gpu_hour_price=settings.gpu_hour_price,
+                  tokens_per_second=progress.tokens_per_second if progress else None)
+    return {**status, "cost": new} if new else status
+
+
 def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, settings: Settings) -> Plan:
     """Everything to do for ``job`` now: status to write, objects to create, what to delete."""
     attempt = current_attempt(job, observed)
@@ -319,7 +336,8 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
     old_phase = old_status.get("phase")
 
     if old_phase in FINISHED_PHASES:
-        plan = Plan(status=finished_status(job))
+        # Still accounted: the pods of a finished job run until KubeRay has deleted them.
+        plan = Plan(status=with_cost(finished_status(job), job, observed, now, settings))
         ttl = job.spec.ttl_seconds_after_finished
         finished = job.status.completion_time if job.status else None
         if ttl is not None and finished is not None:
@@ -417,6 +435,7 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
     events += recovered
     if posted:
         status["recoveryEvents"] = posted
+    status = with_cost(status, job, observed, now, settings)
     plan = Plan(status=status, apply=plan_apply, suspend=suspend, delete_ray_jobs=delete, events=events,
                 requeue_after=requeue, scale_cluster=scale_cluster)
     if status.get("phase") != old_phase:

@@ -33,7 +33,7 @@ CONDITION_TYPES = (STAGED, CLUSTER_READY, RUNNING, CHECKPOINTED, SUCCEEDED, FAIL
 FINISHED_PHASES = ("Succeeded", "Failed")
 # Fields of status the operator owns (camelCase, as on the wire).
 OPERATOR_FIELDS = ("phase", "conditions", "observedGeneration", "rayJobName", "rayClusterName",
-                   "dashboardURL", "restarts", "message", "startTime", "completionTime")
+                   "dashboardURL", "restarts", "message", "startTime", "completionTime", "cost")
 
 
 def _condition(type_: str, status: bool | None, reason: str, message: str) -> dict[str, str]:

@@ -7,7 +7,7 @@ import urllib.error
 import pytest
 import yaml
 
-from kuberl.driver.report import KubernetesStatusReporter
+from kuberl.driver.report import KubernetesStatusReporter, gpu_busy
 from kuberl.job.render import render_manifest
 from tests.unit.api.bad_manifests import minimal_manifest
 
@@ -59,9 +59,11 @@ def test_workload_identity_patches_its_own_status_only(crd, tmp_path):
     reporter.held_for_suspend(True)
     status = json.loads(cluster.kubectl("get", "rltj", "mine", "-n", ns, "-o", "json").stdout)["status"]
     assert status["progress"]["heldForSuspend"] is True and status["progress"]["step"] == 3
-    reporter.progress(4, 20, 0.5, 120.0)
+    reporter.progress(4, 20, 0.5, 120.0, gpu_busy({"step_seconds": 10.0, "logprobs_seconds": 1.0,
+                                                    "update_seconds": 5.0, "generate_seconds": 3.0}))
     status = json.loads(cluster.kubectl("get", "rltj", "mine", "-n", ns, "-o", "json").stdout)["status"]
     assert status["progress"]["heldForSuspend"] is False and status["progress"]["step"] == 4
+    assert status["progress"]["gpuBusy"] == {"trainer": 0.6, "rollout": 0.3}, "the CRD's schema keeps it"
     reporter.progress(3, 20, 0.25, 123.0)
     printed = cluster.kubectl("get", "rltj", "mine", "-n", ns).stdout
     assert "0.25" in printed and " 3 " in printed

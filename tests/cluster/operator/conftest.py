@@ -59,9 +59,10 @@ def install_chart_rbac(cluster, watch_namespace: str) -> Path:
 class OperatorProcess:
     """``python -m kuberl_operator`` as a child process; ``kill()`` sends SIGKILL (a crash)."""
 
-    def __init__(self, kubeconfig: Path, namespace: str, log: Path, restart_backoff: float) -> None:
+    def __init__(self, kubeconfig: Path, namespace: str, log: Path, restart_backoff: float,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.kubeconfig, self.namespace, self.log_path = kubeconfig, namespace, log
-        self.restart_backoff = restart_backoff
+        self.restart_backoff, self.extra_args = restart_backoff, extra_args
         self.metrics_port, self.health_port = unclaimed_port(), unclaimed_port()
         self.proc: subprocess.Popen | None = None
 
@@ -73,7 +74,7 @@ class OperatorProcess:
             [sys.executable, "-m", "kuberl_operator", "--namespace", self.namespace,
              "--kubeconfig", str(self.kubeconfig), "--metrics-address", "127.0.0.1",
              "--metrics-port", str(self.metrics_port), "--liveness", f"http://127.0.0.1:{self.health_port}/healthz",
-             "--restart-backoff", str(self.restart_backoff), "--resync", "5"],
+             "--restart-backoff", str(self.restart_backoff), "--resync", "5", *self.extra_args],
             stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 60
         while not self._healthy():

@@ -114,6 +114,8 @@ def test_dashboards_can_be_turned_off_or_moved(helm):
     ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
     ("operatr.replicas=1", "additional properties 'operatr' not allowed"),
     ("watchAllNamespaces=maybe", "/watchAllNamespaces"),
+    ("operator.gpuHourPrice=-1", "/operator/gpuHourPrice"),
+    ("operator.gpuHourPrice=cheap", "/operator/gpuHourPrice"),
 ])
 def test_schema_rejects_bad_values_naming_the_key(helm, setting, message):
     result = helm.run("template", "kuberl", str(CHART), "--set", setting, check=False)
@@ -189,3 +191,9 @@ def test_operator_may_write_network_policies_and_never_read_secrets(helm):
               for group in rule["apiGroups"] for resource in rule["resources"]}
     assert grants[("networking.k8s.io", "networkpolicies")] == {"get", "create", "patch"}
     assert not any(resource == "secrets" for _, resource in grants)
+
+
+def test_gpu_hour_price_reaches_the_operator_only_when_set(helm):
+    assert not [a for a in _args(helm.template()) if a.startswith("--gpu-hour-price")]
+    assert "--gpu-hour-price=2.5" in _args(helm.template("--set", "operator.gpuHourPrice=2.5"))
+    assert "--gpu-hour-price=0" in _args(helm.template("--set", "operator.gpuHourPrice=0"))

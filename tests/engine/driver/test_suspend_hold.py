@@ -21,7 +21,7 @@ class RecordingReporter(StatusReporter):
         self.calls = calls
         self.answers = list(answers)
 
-    def progress(self, step, total_steps, reward, tokens_per_second):
+    def progress(self, step, total_steps, reward, tokens_per_second, busy=None):
         self.calls.record(f"progress {step}")
 
     def held_for_suspend(self, held):

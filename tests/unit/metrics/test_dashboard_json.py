@@ -57,7 +57,8 @@ def test_queries_use_the_datasource_variable_and_defined_variables(name):
 def test_dashboards_have_queries_for_every_promised_panel():
     titles = {(q.dashboard, q.panel) for q in dashboard_queries()}
     assert {t for d, t in titles if d == "overview.json"} >= {
-        "Jobs by phase", "Failed jobs", "RayJob restarts (1h)", "Reconcile latency", "Reconcile errors per second"}
+        "Jobs by phase", "Failed jobs", "RayJob restarts (1h)", "Reconcile latency", "Reconcile errors per second",
+        "GPU-hours by job and role"}
     assert {t for d, t in titles if d == "training.json"} >= {
         "Reward", "KL to reference", "Loss", "Gradient norm", "Skipped steps", "Training throughput", "MFU",
         "Rollout throughput", "Weight sync time", "Weight sync bandwidth", "Last checkpoint time",

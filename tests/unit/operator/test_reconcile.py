@@ -179,6 +179,16 @@ def test_ttl_deletes_the_job_after_it_finished():
     assert late.delete_job
 
 
+def test_a_finished_job_is_still_charged_for_the_pods_kubernetes_has_not_removed_yet():
+    """KubeRay deletes the cluster after the job finished: its pods run (and hold GPUs) until then."""
+    done = {"phase": "Succeeded", "completionTime": "2026-01-01T11:59:00Z"}
+    usage = {"uid": "u1", "role": "trainer", "gpus": 2.0, "cpus": 1.0, "start": "2026-01-01T11:00:00Z", "end": None,
+             "deleting": True}
+    plan = next_action(job(status=done), observed(usages=[usage]), NOW, SETTINGS)
+    assert plan.status["phase"] == "Succeeded" and plan.status["cost"]["roles"]["trainer"]["gpuSeconds"] == 2 * 3600
+    assert "cost" not in next_action(job(status=done), observed(), NOW, SETTINGS).status, "no pod ran: no cost"
+
+
 def test_status_written_by_the_workload_never_steers_the_restart():
     """status.lastCheckpoint is patched by the job's own ServiceAccount: a restart must not mount,
     stage or restore what it names, and a value nothing can parse must not wedge restarts."""

@@ -35,6 +35,8 @@ PRINTER_COLUMNS = [
      "description": "Step of the last complete checkpoint"},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "priority": 1},
     {"name": "RayJob", "type": "string", "jsonPath": ".status.rayJobName", "priority": 1},
+    {"name": "GPU-Hours", "type": "number", "format": "float", "jsonPath": ".status.cost.gpuHours", "priority": 1,
+     "description": "GPU-hours of every pod the job ran (status.cost)"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
@@ -117,7 +119,7 @@ def _full_default(field: FieldInfo) -> dict[str, Any]:
 
 def _model_type(field: FieldInfo) -> type[BaseModel] | None:
     """The model type of a field typed ``Model`` or ``Model | None``."""
-    if getattr(field.annotation, "__origin__", None) is list:
+    if getattr(field.annotation, "__origin__", None) in (list, dict):  # a collection of models, not one
         return None
     for candidate in (field.annotation, *getattr(field.annotation, "__args__", ())):
         if isinstance(candidate, type) and issubclass(candidate, BaseModel):

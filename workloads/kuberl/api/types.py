@@ -810,6 +810,10 @@ class Progress(APIModel):
     total_steps: int = 0
     reward: float | None = None
     tokens_per_second: float | None = None
+    gpu_busy: dict[str, Annotated[float, Field(ge=0, le=1)]] = Field(
+        default_factory=dict, max_length=4, description=(
+            "By role (trainer, rollout), the share of the last step's wall time its GPUs were busy: "
+            "the trainer in logprobs and update, the rollout engines in generate; the rest is idle."))
     updated_time: datetime | None = None
     validation_reward: float | None = None
     validation_step: int | None = None
@@ -873,6 +877,40 @@ RECOVERY_KINDS = {"trainer": "trainer", "engine_lost": "engineLost", "engine_rep
                   "resize": "resize"}
 
 
+class RoleCost(APIModel):
+    gpu_seconds: float = Field(0.0, ge=0, description="GPUs (limits) x seconds the pods ran.")
+    cpu_seconds: float = Field(0.0, ge=0, description="CPUs (requests) x seconds the pods ran.")
+
+
+class PodCost(APIModel):
+    uid: str = Field(max_length=128)
+    role: str = Field(max_length=63)
+    start: datetime = Field(description="The pod's first container start.")
+    ended: bool = Field(False, description="Whether the pod is over (its cost no longer grows).")
+    deleting: bool = Field(False, description="Whether the pod's deletion was asked for.")
+    gpu_seconds: float = Field(0.0, ge=0)
+    cpu_seconds: float = Field(0.0, ge=0)
+
+
+class Cost(APIModel):
+    """Written by the operator: what the job has cost so far, from the lifetimes of every pod it
+    ran (first container start to last end) times their GPU limits and CPU requests. Pending pods
+    cost nothing; pods that went on failures and resizes are kept in ``settled``."""
+
+    roles: dict[str, RoleCost] = Field(default_factory=dict, max_length=8,
+                                       description="Totals by role (trainer, rollout, head).")
+    settled: dict[str, RoleCost] = Field(default_factory=dict, max_length=8,
+                                         description="By role, the pods that are gone.")
+    # A list, not a map by uid: a merge patch replaces a list whole, so pods that went drop out.
+    pods: list[PodCost] = Field(default_factory=list, max_length=4096, description="The pods the job has now.")
+    gpu_hours: float = Field(0.0, ge=0, description="GPU-hours over every role.")
+    estimated_cost: float | None = Field(None, ge=0, description=(
+        "gpuHours x the price per GPU-hour the operator was given (chart value cost.gpuHourPrice)."))
+    tokens_per_gpu_hour: float | None = Field(None, ge=0, description=(
+        "progress.tokensPerSecond x 3600 / the GPUs of the pods running now."))
+    updated_time: datetime | None = None
+
+
 class RLTrainingJobStatus(APIModel):
     phase: Phase | None = None
     conditions: list[Condition] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
@@ -885,6 +923,7 @@ class RLTrainingJobStatus(APIModel):
     workload_error: WorkloadError | None = None
     rollout: RolloutStatus | None = None
     recoveries: Recoveries | None = None
+    cost: Cost | None = None
     # The operator's: how many of each kind of recovery (wire names) it has posted an Event for.
     recovery_events: dict[str, Annotated[int, Field(ge=0, le=MAX_INT32)]] = Field(default_factory=dict, max_length=8)
     restarts: int = 0

@@ -47,7 +47,7 @@ from kuberl.common.samples import Sample, TrainBatch
 from kuberl.driver import schedule
 from kuberl.driver.checkpoints import CheckpointManager
 from kuberl.driver.data import PromptStream, check_prompt_lengths, load_for_spec, steps_for_epochs
-from kuberl.driver.report import StatusReporter
+from kuberl.driver.report import StatusReporter, gpu_busy
 from kuberl.driver.rewards import RewardInput, RewardWorkers
 from kuberl.driver.sampling import fill_groups
 from kuberl.driver.tracking import Trackers
@@ -553,7 +553,8 @@ class Driver:
             result.metrics.update(self._validate(self.step))
         log.info("step %d/%d %s", self.step, total,
                  " ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items())))
-        self.reporter.progress(self.step, total, result.reward_mean, result.metrics["tokens_per_second"])
+        self.reporter.progress(self.step, total, result.reward_mean, result.metrics["tokens_per_second"],
+                               gpu_busy(result.metrics))
         pod_metrics.record_step({"step": self.step, **result.metrics})
         self._emit(self.step, result.metrics)
         interval = self.spec.checkpoint.export_interval_steps

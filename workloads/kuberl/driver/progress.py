@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Iterator, TextIO
+from typing import Callable, Iterator, Mapping, TextIO
 
 from kuberl.driver.report import StatusReporter
 
@@ -128,8 +128,8 @@ class ConsoleReporter(StatusReporter):
         self.display = display
 
     def progress(self, step: int, total_steps: int, reward: float | None,
-                 tokens_per_second: float | None) -> None:
-        super().progress(step, total_steps, reward, tokens_per_second)
+                 tokens_per_second: float | None, busy: Mapping[str, float] | None = None) -> None:
+        super().progress(step, total_steps, reward, tokens_per_second, busy)
         self.display.step(step, total_steps, reward, tokens_per_second)
 
     def validation(self, step: int, reward: float) -> None:

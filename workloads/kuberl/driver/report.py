@@ -49,6 +49,18 @@ def redact_secrets(text: str, env: Mapping[str, str] | None = None) -> str:
     return _URL_USERINFO.sub(rf"\1{REDACTED}@", text)
 
 
+def gpu_busy(metrics: Mapping[str, float]) -> dict[str, float]:
+    """By role, the share of a step's wall time its GPUs were busy, from the step's phase timings
+    (``Driver._phase``): the trainer's in logprobs and update, the engines' in generate. With
+    asyncRollout the generate that fed the step ran beside it, so a share is capped at 1."""
+    step = metrics.get("step_seconds") or 0.0
+    if step <= 0:
+        return {}
+    busy = {"trainer": metrics.get("logprobs_seconds", 0.0) + metrics.get("update_seconds", 0.0),
+            "rollout": metrics.get("generate_seconds", 0.0)}
+    return {role: round(min(1.0, seconds / step), 4) for role, seconds in busy.items()}
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -60,13 +72,15 @@ class StatusReporter:
         self._recoveries: dict[str, int] = {}  # kind -> count, where nothing else keeps it
 
     def progress(self, step: int, total_steps: int, reward: float | None,
-                 tokens_per_second: float | None) -> None:
+                 tokens_per_second: float | None, busy: Mapping[str, float] | None = None) -> None:
         log.info("step %d/%d reward %s tokens/s %s", step, total_steps,
                  "n/a" if reward is None else f"{reward:.4f}",
                  "n/a" if tokens_per_second is None else f"{tokens_per_second:.1f}")
-        self._patch({"progress": {"step": step, "totalSteps": total_steps, "reward": reward,
-                                  "tokensPerSecond": tokens_per_second, "updatedTime": _now(),
-                                  "heldForSuspend": False}})
+        progress = {"step": step, "totalSteps": total_steps, "reward": reward,
+                    "tokensPerSecond": tokens_per_second, "updatedTime": _now(), "heldForSuspend": False}
+        if busy:
+            progress["gpuBusy"] = dict(busy)
+        self._patch({"progress": progress})
 
     def held_for_suspend(self, held: bool) -> None:
         """Whether the driver holds after its last reported step for a suspend: the operator
