@@ -45,3 +45,12 @@ def hang_or_fail(batch):
             time.sleep(0.05)
         raise RuntimeError("the verifier is down")
     return [0.0] * len(batch)
+
+
+def die_once(batch):
+    """The first call's worker process dies (as when its pod is deleted); later calls score 1."""
+    marker = Path(batch[0].extra_info["pid_dir"]) / "died"
+    if not marker.exists():
+        marker.write_text(f"{os.getpid()}\n")
+        os._exit(1)
+    return [1.0] * len(batch)

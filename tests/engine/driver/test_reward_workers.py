@@ -84,6 +84,13 @@ def test_a_failed_share_fails_the_step_at_once_and_kills_the_hung_one(ray_sessio
     assert running(_hung_pids(tmp_path)) == []
 
 
+def test_a_share_whose_worker_dies_runs_again_and_the_step_completes(ray_session, tmp_path):
+    """A trainer pod preempted in pods took a reward share with it and ended the job."""
+    workers = RewardWorkers(RewardSpec(function="tests.engine.driver.reward_fixtures:die_once", workers=1))
+    assert workers(_batch(str(tmp_path))) == [1.0] * SAMPLES
+    assert (tmp_path / "died").exists()
+
+
 def test_reward_workers_import_the_function_from_the_jobs_source_directory(ray_session, tmp_path):
     """spec.reward.source: a module in no image and on no sys.path of the Ray workers, only in the
     directory the plan names (a mounted ConfigMap here): each worker process puts it on its own path."""

@@ -143,6 +143,9 @@ def _score_share(spec: RewardSpec, code_dir: str | None, batch: list[RewardInput
     return score(load_reward(spec, code_dir), batch, offset, name=reward_name(spec))
 
 
+RETRIES_ON_WORKER_LOSS = 2
+
+
 class RewardWorkers:
     """Scores a step's samples in ``spec.workers`` parallel Ray tasks, contiguous shares, results
     in input order. The function is loaded once here as well, so a bad ``reward.function`` fails
@@ -160,7 +163,12 @@ class RewardWorkers:
         self.spec, self.code_dir = spec, code_dir
         self.name = reward_name(spec)
         self.timeout_s = float(spec.timeout_seconds)
-        self._task = ray.remote(_score_share).options(num_cpus=spec.cpus_per_worker, max_retries=0)
+        # A share whose worker or node went (its pod deleted or preempted: Ray runs reward tasks
+        # wherever a CPU is free, the trainer pods' too) runs again elsewhere, within the same
+        # deadline; an exception the function raised is never retried (retry_exceptions is off),
+        # and a share cancelled past the deadline is not either. In pods, a trainer pod's
+        # preemption ended a job as RewardFunctionFailed when it held a share.
+        self._task = ray.remote(_score_share).options(num_cpus=spec.cpus_per_worker, max_retries=RETRIES_ON_WORKER_LOSS)
 
     def __call__(self, batch: Sequence[RewardInput]) -> list[float]:
         import ray
@@ -187,7 +195,7 @@ class RewardWorkers:
             if isinstance(exc.cause, RewardError):
                 raise RewardError(str(exc.cause)) from None
             raise RewardError(f"{self.name} failed: {exc.cause!r}") from None
-        except ray.exceptions.RayError as exc:  # the worker process died (out of memory, killed)
+        except ray.exceptions.RayError as exc:  # its worker died again on every retry (out of memory, killed)
             raise RewardError(f"{self.name}: a reward worker died: {exc}") from None
         finally:
             for ref in pending:
