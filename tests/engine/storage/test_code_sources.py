@@ -3,9 +3,7 @@ server: fetched, checked against the pinned sha256, unpacked through kuberl.stor
 imported from the staged directory; a wrong digest or a hostile archive leaves nothing behind."""
 
 import hashlib
-import io
 import sys
-import tarfile
 
 import pytest
 
@@ -14,19 +12,10 @@ from kuberl.cli.stage import main as stage_main
 from kuberl.driver.rewards import RewardInput, load_reward
 from kuberl.storage import StorageError
 from kuberl.storage.code import stage_code
+from tests.shared.archives import tar_of
 
 
-def _tar(members: dict[str, bytes]) -> bytes:
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return out.getvalue()
-
-
-PACKAGE = _tar({"staged_rewards/__init__.py": b"",
+PACKAGE = tar_of({"staged_rewards/__init__.py": b"",
                 "staged_rewards/score.py": b"def exact(batch):\n    return [float(x.response == x.answer) for x in batch]\n"})
 
 
@@ -67,7 +56,7 @@ def test_a_wrong_digest_is_refused_naming_the_field_and_both_digests(s3, tmp_pat
 ])
 def test_an_archive_that_climbs_out_is_refused_even_when_pinned(s3, tmp_path, members, problem):
     fs, bucket = s3
-    data = _tar(members)
+    data = tar_of(members)
     fs.pipe({f"{bucket}/code/evil.tar": data})
     with pytest.raises(StorageError, match=problem):
         stage_code(f"s3://{bucket}/code/evil.tar", tmp_path / "code" / "reward", hashlib.sha256(data).hexdigest(),

@@ -2,13 +2,11 @@
 
 import base64
 import hashlib
-import io
 import json
 import os
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from kuberl.storage import StorageError, download, stage
 from kuberl.storage.download import download_files, list_source
 from kuberl.storage.filesystems import filesystem
 from kuberl.storage.progress import Progress
+from tests.shared.archives import tar_of
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -168,25 +167,10 @@ def test_symlinked_subdir_leading_out_is_refused(s3, tmp_path):
     assert not (tmp_path / "outside" / "x.txt").exists()
 
 
-def _tar(members: dict[str, bytes], links: dict[str, str] = {}) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-        for name, target in links.items():
-            info = tarfile.TarInfo(name)
-            info.type = tarfile.SYMTYPE
-            info.linkname = target
-            tar.addfile(info)
-    return buf.getvalue()
-
-
 def test_tar_checkpoint_is_unpacked(s3, tmp_path):
     fs, bucket = s3
     fs.pipe_file(f"{bucket}/ckpt/step-000000010.tar",
-                 _tar({"model/weights.pt": b"w" * 300, "optim/state.pt": b"o" * 20}))
+                 tar_of({"model/weights.pt": b"w" * 300, "optim/state.pt": b"o" * 20}))
     result = stage(f"s3://{bucket}/ckpt/step-000000010.tar", tmp_path)
     assert (tmp_path / "model" / "weights.pt").read_bytes() == b"w" * 300
     assert result.files == 2 and result.bytes == 320
@@ -202,7 +186,7 @@ def test_tar_checkpoint_is_unpacked(s3, tmp_path):
 ])
 def test_tar_slip_is_refused(s3, tmp_path, members, links):
     fs, bucket = s3
-    fs.pipe_file(f"{bucket}/ckpt/evil.tar", _tar(members, links))
+    fs.pipe_file(f"{bucket}/ckpt/evil.tar", tar_of(members, links))
     dst = tmp_path / "a" / "dst"
     with pytest.raises(StorageError, match="refusing archive member"):
         stage(f"s3://{bucket}/ckpt/evil.tar", dst)
@@ -212,7 +196,7 @@ def test_tar_slip_is_refused(s3, tmp_path, members, links):
 
 def test_tar_absolute_member_is_refused(s3, tmp_path):
     fs, bucket = s3
-    fs.pipe_file(f"{bucket}/ckpt/abs.tar", _tar({"/tmp/kuberl-evil-abs.txt": b"x"}))
+    fs.pipe_file(f"{bucket}/ckpt/abs.tar", tar_of({"/tmp/kuberl-evil-abs.txt": b"x"}))
     with pytest.raises(StorageError, match="refusing archive member '/tmp/kuberl-evil-abs.txt'"):
         stage(f"s3://{bucket}/ckpt/abs.tar", tmp_path)
     assert not Path("/tmp/kuberl-evil-abs.txt").exists() and list(tmp_path.iterdir()) == []
