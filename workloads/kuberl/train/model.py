@@ -133,15 +133,16 @@ def is_sharded(mesh: DeviceMesh, options: ModelOptions) -> bool:
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, options: ModelOptions, *, trainable: bool = True) -> nn.Module:
     layers = decoder_layers(model)
-    if options.gradient_checkpointing and trainable and options.checkpoint_per_op:
-        for layer in layers:
-            layer.forward = checkpoint_per_op(layer.forward)
-    elif options.gradient_checkpointing and trainable:
-        if options.checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be >= 1, got {options.checkpoint_every}")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        for i, layer in enumerate(layers):
-            layer.gradient_checkpointing = i % options.checkpoint_every == 0
+    if options.gradient_checkpointing and trainable:
+        if options.checkpoint_per_op:
+            for layer in layers:
+                layer.forward = checkpoint_per_op(layer.forward)
+        else:
+            if options.checkpoint_every < 1:
+                raise ValueError(f"checkpoint_every must be >= 1, got {options.checkpoint_every}")
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            for i, layer in enumerate(layers):
+                layer.gradient_checkpointing = i % options.checkpoint_every == 0
     compile_layers = options.compile_layers if options.compile_layers is not None else mesh.device_type == "cuda"
     if compile_layers:
         allow_layer_variants()
