@@ -314,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
                args, **kw, micro_batch_tokens=2 * seq)
         record(run_trainer, "moe grouped ckpt-quarter", config, ModelOptions(param_dtype=dtype, checkpoint_every=4),
                batch, args, **kw, micro_batch_tokens=2 * seq)
+        # 16,384-token micro-batches: half the kernel launches per token (the 8,192-token step is
+        # launch-bound: 606 ms of host time for 557 ms of kernels on an H200); needs more than 80 GB.
+        record(run_trainer, "moe grouped ckpt-quarter 16k", config,
+               ModelOptions(param_dtype=dtype, checkpoint_every=4), batch, args, **kw, micro_batch_tokens=4 * seq)
         record(run_trainer, "moe stock", config, ModelOptions(param_dtype=dtype, moe_experts="stock",
                                                               compile_layers=False), batch, args, **kw,
                micro_batch_tokens=2 * seq)

@@ -47,6 +47,9 @@ def _run(model_path: str, offload: bool) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     device = torch.device("cuda", 0)
+    # The allocator's statistics exist once CUDA is initialised; resetting them before raises
+    # "Invalid device argument" when this test is the process's first use of the GPU.
+    torch.zeros((), device=device)
     torch.cuda.reset_peak_memory_stats(device)
     # What an earlier run left allocated (compiled code's caches) is not this run's.
     base = torch.cuda.memory_allocated(device)

@@ -21,15 +21,16 @@ def test_split_by_tokens_keeps_order_and_budget():
         split_by_tokens([1], 0)
 
 
+@pytest.mark.parametrize("keep_logits_bytes", [0, 1 << 20], ids=["logits-recomputed", "logits-kept"])
 @pytest.mark.parametrize("with_entropy", [True, False])
-def test_chunked_logprobs_entropy_match_full_logits_values_and_gradients(with_entropy):
+def test_chunked_logprobs_entropy_match_full_logits_values_and_gradients(with_entropy, keep_logits_bytes):
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(37, 16, dtype=torch.float64, generator=g, requires_grad=True)
     weight = torch.randn(50, 16, dtype=torch.float64, generator=g, requires_grad=True)
     targets = torch.randint(0, 50, (37,), generator=g)
     a, b = torch.randn(37, dtype=torch.float64, generator=g), torch.randn(37, dtype=torch.float64, generator=g)
     results = []
-    for fn, kw in ((chunked_logprobs_entropy, {"chunk_tokens": 8}), (full_logprobs_entropy, {})):
+    for fn, kw in ((chunked_logprobs_entropy, {"chunk_tokens": 8, "keep_logits_bytes": keep_logits_bytes}), (full_logprobs_entropy, {})):
         lp, ent = fn(hidden, weight, targets, temperature=0.7, with_entropy=with_entropy, **kw)
         loss = (lp * a).sum() + ((ent * b).sum() if with_entropy else 0)
         results.append((lp, ent, *torch.autograd.grad(loss, [hidden, weight])))

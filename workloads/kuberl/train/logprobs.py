@@ -5,9 +5,10 @@ distribution. Computing them from ``model(...).logits`` materialises ``[tokens x
 then their fp32 copy, log-softmax and ``exp``: at vocab 151,936 that is ~0.6 GB per 1k tokens per
 tensor, kept for backward. ``TokenLogProbHead`` replaces the model's ``lm_head`` (same weight
 parameter, same state-dict key) and, when asked, computes only the rows that are trained on, in
-chunks of ``chunk_tokens`` rows; its backward recomputes each chunk's logits, so what is kept for
-backward is the hidden states and two floats per token. Without a request it is the plain linear
-head (exports, ``generate``).
+chunks of ``chunk_tokens`` rows. What is kept for backward is the hidden states, two floats per
+token and, while they fit in ``keep_logits_bytes``, the logits in the compute dtype (bf16 on GPU:
+4.4 GB for 14,336 rows at vocab 151,936); past that budget the backward recomputes them, one more
+pass of the head's matmul. Without a request it is the plain linear head (exports, ``generate``).
 
 Gradients, with ``z`` the temperature-scaled logits of one row, ``p = softmax(z)``,
 ``H = -sum p log p``:  ``d log p_t / dz = onehot(t) - p`` and ``dH / dz = -p * (log p + H)``.
@@ -27,6 +28,10 @@ log = logging.getLogger("kuberl.train")
 # Rows per chunk: 1024 x 151,936 fp32 logits is 0.6 GB; a chunk's logits matmul is still ~0.6
 # TFLOP, far past launch overhead. Peak memory at this default: bench/train_speed.py --memory.
 DEFAULT_CHUNK_TOKENS = 1024
+# Logits up to this size are kept for backward instead of recomputed: at the dense preset's
+# 16,384-token micro-batches (14,336 scored rows) that saves one of the head's four matmul passes,
+# ~24 ms of a 0.96 s step on an H200, for 4.4 GB held from the head's forward to its backward.
+DEFAULT_KEEP_LOGITS_BYTES = 8 << 30
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -59,33 +64,41 @@ def _chunk_grad_logits(logits: torch.Tensor, inv_temp: float, lse: torch.Tensor,
 _COMPILED: dict = {}
 
 
-def _fused(fn, like: torch.Tensor):
+def _fused(fn, logits: torch.Tensor):
     """On CUDA, ``fn`` compiled (its elementwise passes over a chunk's logits fuse into few
-    kernels, and fewer fp32 temporaries live at once); elsewhere ``fn`` itself."""
-    if like.device.type != "cuda":
+    kernels, and fewer fp32 temporaries live at once); elsewhere ``fn`` itself. The row count
+    stays dynamic (it changes with every batch) and the vocabulary width static: a symbolic
+    width made every element's row index an integer division (the backward's kernel ran at a
+    fifth of memory bandwidth), and the head has at most two widths (a slice and the last)."""
+    if logits.device.type != "cuda":
         return fn
     if fn not in _COMPILED:
         _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    torch._dynamo.mark_static(logits, 1)
     return _COMPILED[fn]
 
 
 class _ChunkedLogProbEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_temp, chunk, with_entropy):
+    def forward(ctx, hidden, weight, targets, inv_temp, chunk, with_entropy, keep_logits_bytes):
         n = hidden.shape[0]
         acc = _acc(hidden.dtype)
         logprobs = hidden.new_empty(n, dtype=acc)
         lse = hidden.new_empty(n, dtype=acc)
         entropy = hidden.new_empty(n, dtype=acc) if with_entropy else None
+        keep = n * weight.shape[0] * hidden.element_size() <= keep_logits_bytes
+        # Kept: one matmul for all rows; the fp32 work below still goes chunk by chunk.
+        kept = hidden @ weight.t() if keep else None
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
-            lp, l, ent = _fused(_chunk_forward, hidden)(hidden[lo:hi] @ weight.t(), targets[lo:hi], inv_temp,
-                                                        with_entropy)
+            logits = kept[lo:hi] if keep else hidden[lo:hi] @ weight.t()
+            lp, l, ent = _fused(_chunk_forward, logits)(logits, targets[lo:hi], inv_temp, with_entropy)
             logprobs[lo:hi], lse[lo:hi] = lp, l
             if with_entropy:
                 entropy[lo:hi] = ent
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy if with_entropy else lse)
-        ctx.inv_temp, ctx.chunk, ctx.with_entropy = inv_temp, chunk, with_entropy
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy if with_entropy else lse,
+                              kept if keep else lse)
+        ctx.inv_temp, ctx.chunk, ctx.with_entropy, ctx.kept = inv_temp, chunk, with_entropy, keep
         if with_entropy:
             return logprobs, entropy
         no_entropy = torch.zeros_like(logprobs)
@@ -94,7 +107,7 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_lp, grad_ent):
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, targets, lse, entropy, kept = ctx.saved_tensors
         inv_temp, chunk = ctx.inv_temp, ctx.chunk
         if not ctx.with_entropy:
             grad_ent, entropy = None, None
@@ -115,24 +128,28 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
         for lo in range(0, vocab, width):
             hi = min(vocab, lo + width)
             w = weight[lo:hi]
-            g = _fused(_chunk_grad_logits, hidden)(hidden @ w.t(), inv_temp, lse, entropy, grad_lp, grad_ent)
+            logits = kept[:, lo:hi] if ctx.kept else hidden @ w.t()
+            g = _fused(_chunk_grad_logits, logits)(logits, inv_temp, lse, entropy, grad_lp, grad_ent)
             grad_hidden += g @ w
             grad_weight[lo:hi] = g.t() @ hidden
         # The one-hot term of d log p_t / dz, sparse: row i adds grad_lp[i] * inv_temp at column t_i.
         onehot = (grad_lp * inv_temp)[:, None]
         grad_hidden += onehot * weight[targets].to(acc)
         grad_weight.index_add_(0, targets, onehot * hidden.to(acc))
-        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None
+        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None, None
 
 
 def chunked_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                              temperature: float = 1.0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                             with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                             with_entropy: bool = True, keep_logits_bytes: int = DEFAULT_KEEP_LOGITS_BYTES
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``hidden`` ``(n, H)``, ``weight`` ``(V, H)``, ``targets`` ``(n,)``: fp32 ``log p(target)``
-    and (``with_entropy``) entropy per row of ``softmax(hidden @ weight.T / temperature)``."""
+    and (``with_entropy``) entropy per row of ``softmax(hidden @ weight.T / temperature)``.
+    Logits of at most ``keep_logits_bytes`` are kept for backward, larger ones recomputed there."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    lp, ent = _ChunkedLogProbEntropy.apply(hidden, weight, targets, 1.0 / temperature, chunk_tokens, with_entropy)
+    lp, ent = _ChunkedLogProbEntropy.apply(hidden, weight, targets, 1.0 / temperature, chunk_tokens, with_entropy,
+                                           keep_logits_bytes)
     return lp, ent if with_entropy else None
 
 
