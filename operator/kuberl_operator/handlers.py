@@ -30,7 +30,7 @@ from kuberl_operator.invalid import checked_plan
 from kuberl_operator.kube import Kube
 from kuberl_operator.metrics import Metrics
 from kuberl_operator.reconcile import Event, Plan, Settings, next_action
-from kuberl_operator.status import status_changed
+from kuberl_operator.status import indexed_pod_status, status_changed
 from kuberl_operator.workqueue import Key, WorkQueue
 
 log = logging.getLogger("kuberl_operator")
@@ -226,8 +226,8 @@ def register(registry: kopf.OperatorRegistry) -> None:
     @kopf.index("v1", "pods", id="pods_by_job", **owned)
     def pods_by_job(namespace, labels, meta, spec, status, **_):
         # The pod's usage, not its spec: the accounting (kuberl_operator.cost) needs a few numbers.
-        kept = {k: _plain(status[k]) for k in ("phase", "conditions", "initContainerStatuses") if k in status}
-        return {(namespace, labels[JOB_LABEL]): {"metadata": _slim_meta(meta), "status": kept,
+        return {(namespace, labels[JOB_LABEL]): {"metadata": _slim_meta(meta),
+                                                 "status": indexed_pod_status(_plain(status)),
                                                  "usage": pod_usage(meta, spec, status)}}
 
     def _capture(memo, kwargs) -> Controller:

@@ -67,6 +67,18 @@ CANNOT_START = {
 }
 
 
+def indexed_pod_status(status: dict[str, Any]) -> dict[str, Any]:
+    """What the operator's pod index keeps of a pod's status: what ``status_of`` reads (phase,
+    conditions, init containers for staging and their failures, and each main container's
+    waiting state for ``_cannot_start``), not the rest (image digests, container IDs, times)."""
+    kept = {k: status[k] for k in ("phase", "conditions", "initContainerStatuses") if k in status}
+    waiting = [{"name": cs["name"], "state": {"waiting": cs["state"]["waiting"]}}
+               for cs in status.get("containerStatuses") or [] if (cs.get("state") or {}).get("waiting")]
+    if waiting:
+        kept["containerStatuses"] = waiting
+    return kept
+
+
 def _cannot_start(pods: list[dict[str, Any]]) -> tuple[str, str] | None:
     """(reason, message) for the first container kubelet cannot start, e.g. ("ContainerConfigError",
     'container ray-head in pod x cannot start: CreateContainerConfigError: secret "s3" not found')."""

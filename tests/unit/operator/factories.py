@@ -12,6 +12,7 @@ from kuberl.api.types import RLTrainingJobStatus
 from kuberl.api.validate import validate_manifest
 from kuberl.api.contract import ATTEMPT_ANNOTATION
 from kuberl_operator.observed import Observed
+from kuberl_operator.status import indexed_pod_status
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
@@ -39,9 +40,10 @@ def ray_job(name: str, attempt: int = 0, deployment: str = "", job_status: str =
 
 def pod(name: str, phase: str = "Running", init: list[dict[str, Any]] | None = None,
         conditions: list[dict[str, Any]] | None = None, containers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A pod as the operator's pod index holds it (``indexed_pod_status``), not as the API serves it."""
     return {"metadata": {"name": name, "labels": {"ray.io/cluster": "tiny-abc"}},
-            "status": {"phase": phase, "initContainerStatuses": init or [], "containerStatuses": containers or [],
-                       "conditions": conditions or []}}
+            "status": indexed_pod_status({"phase": phase, "initContainerStatuses": init or [],
+                                          "containerStatuses": containers or [], "conditions": conditions or []})}
 
 
 def ray_cluster(state: str = "ready") -> dict[str, Any]:

@@ -157,3 +157,17 @@ def test_a_failed_ray_jobs_20000_characters_of_log_become_one_line_and_its_last_
     assert reason == ("FAILED: Job entrypoint command failed with exit code 1; last error: RuntimeError: "
                       "[pair.cc:553] Connection closed by peer [10.244.0.18]:50072. 🏖️")
     assert len(failure_reason(ray_job("t", job_status="FAILED", message="x" * 5000))) <= FAILURE_REASON_CHARS + 8
+
+
+def test_the_pod_index_keeps_a_waiting_containers_reason_and_drops_the_rest():
+    """The index once dropped every main container's status, so a secret or image that only the
+    ray container needs never reached the job's condition."""
+    from kuberl_operator.status import indexed_pod_status
+
+    served = {"phase": "Pending", "hostIP": "10.0.0.1", "containerStatuses": [
+        {"name": "ray-worker", "image": "kuberl/worker:x", "imageID": "", "ready": False, "restartCount": 0,
+         "state": {"waiting": {"reason": "CreateContainerConfigError", "message": 'secret "hf" not found'}}},
+        {"name": "sidecar", "ready": True, "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]}
+    assert indexed_pod_status(served) == {"phase": "Pending", "containerStatuses": [
+        {"name": "ray-worker",
+         "state": {"waiting": {"reason": "CreateContainerConfigError", "message": 'secret "hf" not found'}}}]}
