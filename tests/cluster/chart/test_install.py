@@ -24,6 +24,9 @@ def test_install_then_example_gives_a_ray_job(k8s_cluster, release):
     ns = release.watched
     crd = get_json(k8s_cluster, "crd", "rltrainingjobs.kuberl.dev")
     assert crd["spec"]["group"] == "kuberl.dev"
+    # Installed with the CRD (crds/): what keeps a job's pods to the driver's status fields.
+    policy = get_json(k8s_cluster, "validatingadmissionpolicybinding", "workload-status.rltrainingjobs.kuberl.dev")
+    assert policy["spec"]["validationActions"] == ["Deny"]
     service = get_json(k8s_cluster, "service", f"{release.name}-kuberl-operator-metrics", "-n", release.namespace)
     assert service["spec"]["ports"][0]["targetPort"] == "metrics"
     dashboards = get_json(k8s_cluster, "configmaps", "-n", release.namespace, "-l", "grafana_dashboard=1")["items"]

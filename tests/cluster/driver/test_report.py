@@ -47,6 +47,12 @@ def test_workload_identity_patches_its_own_status_only(crd, tmp_path):
     token = tmp_path / "token"
     token.write_text(cluster.kubectl("create", "token", "mine-workload", "-n", ns).stdout.strip())
 
+    # What the operator writes first (as an admin here): the policy must let the driver's patches
+    # through beside it.
+    operator_status = {"phase": "Running", "restarts": 1, "message": "training",
+                       "cost": {"gpuHours": 2.0, "roles": {"trainer": {"gpuSeconds": 7200.0, "cpuSeconds": 0.0}}}}
+    cluster.kubectl("patch", "rltj", "mine", "-n", ns, "--subresource=status", "--type=merge",
+                    "-p", json.dumps({"status": operator_status}))
     reporter = KubernetesStatusReporter(cluster.server, ns, "mine", token, cluster.ca.pair.cert)
     reporter.progress(3, 20, 0.25, 123.0)
     reporter.checkpoint("s3://ckpt/mine/step-000000003", 3)
@@ -95,6 +101,24 @@ def test_workload_identity_patches_its_own_status_only(crd, tmp_path):
     assert status["rollout"] == {"attempt": 0, "replicas": 3, "enginePods": ["mine-rollout-a"]}
     assert (status["recoveries"]["trainer"]["count"], status["recoveries"]["trainer"]["lastSeconds"]) == (2, 20.0)
     assert status["recoveries"]["engineLost"]["count"] == 2 and "lastSeconds" not in status["recoveries"]["engineLost"]
+
+    # Nor the operator's fields of its own job's status (the ValidatingAdmissionPolicy installed
+    # with the CRD): code in the job's pods cannot reset its restart budget, hide its cost, or
+    # declare itself done. Each refusal names the field.
+    forged = {"restarts": 0, "cost": {"gpuHours": 0.0}, "phase": "Succeeded",
+              "conditions": [{"type": "Succeeded", "status": "True", "reason": "Completed", "message": "",
+                              "lastTransitionTime": "2026-01-01T00:00:00Z"}],
+              "completionTime": "2026-01-01T00:00:00Z"}
+    for field, value in forged.items():
+        with pytest.raises(urllib.error.HTTPError) as info:
+            reporter._send({field: value, "progress": {"step": 99}})
+        body = info.value.read().decode()
+        assert info.value.code == 403 and f"status.{field} is the kuberl operator's" in body, (field, body)
+    status = json.loads(cluster.kubectl("get", "rltj", "mine", "-n", ns, "-o", "json").stdout)["status"]
+    assert {k: status[k] for k in operator_status} == operator_status and status["progress"]["step"] == 3
+    # An admin (the operator's identity is another one) is not held to it.
+    cluster.kubectl("patch", "rltj", "mine", "-n", ns, "--subresource=status", "--type=merge",
+                    "-p", '{"status":{"restarts":2}}')
 
     # The same token cannot touch another job's status, nor the job's spec.
     other = KubernetesStatusReporter(cluster.server, ns, "other", token, cluster.ca.pair.cert)

@@ -50,7 +50,7 @@ def test_defaults_fill_a_minimal_spec_the_way_the_api_server_would():
 
 
 def test_crd_names_and_printer_columns():
-    crd = yaml.safe_load(render_crd_yaml())
+    crd = next(yaml.safe_load_all(render_crd_yaml()))
     names = crd["spec"]["names"]
     assert (names["kind"], names["plural"], names["shortNames"]) == ("RLTrainingJob", "rltrainingjobs", ["rltj"])
     version = crd["spec"]["versions"][0]

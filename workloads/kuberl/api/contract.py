@@ -49,9 +49,12 @@ def config_map_name(job: str) -> str:
     return f"{job}-config"
 
 
+WORKLOAD_IDENTITY_SUFFIX = "-workload"
+
+
 def workload_identity_name(job: str) -> str:
     """The ServiceAccount, Role and RoleBinding the job's pods run as."""
-    return f"{job}-workload"
+    return f"{job}{WORKLOAD_IDENTITY_SUFFIX}"
 
 
 def network_policy_name(job: str) -> str:

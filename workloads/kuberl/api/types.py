@@ -911,6 +911,13 @@ class Cost(APIModel):
     updated_time: datetime | None = None
 
 
+# The status fields the training driver writes through the job's own ServiceAccount
+# (kuberl.driver.report); the operator writes every other one. The API server holds the job's
+# identity to these (kuberl.api.crd.status_policy): a workload cannot forge its phase, restarts
+# or cost.
+WORKLOAD_STATUS_FIELDS = ("progress", "lastCheckpoint", "workloadError", "rollout", "recoveries")
+
+
 class RLTrainingJobStatus(APIModel):
     phase: Phase | None = None
     conditions: list[Condition] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
