@@ -83,7 +83,7 @@ def test_killed_async_driver_resumes_from_s3_bit_identically(run_a, s3_root):
     config = write_config(tmp, f"s3://{BUCKET}/run-b")
     run_until_step_10_is_committed(fs, f"{BUCKET}/run-b", config, tmp / "b", env)
     driver_state = json.loads(fs.cat_file(f"{BUCKET}/run-b/step-000000010/driver.json"))
-    held = driver_state["rollout"]["samples"]
+    held = driver_state["rollouts"]["10"]["samples"]
     assert {s["weight_version"] for s in held} == {9} and all(s["response_logprobs"] for s in held)
 
     run_c = start_driver(config, tmp / "c", env)  # resume: auto
