@@ -9,7 +9,7 @@ its step-10 checkpoint, which holds step 10's rollout (generated from weights 9,
 checkpoint no longer has); run C resumes from S3 and must reproduce A's steps 11-20 bit for bit.
 
 The wall time per step against the synchronous loop on the same task and seed is a speed goal,
-so it is measured by bench/async_rollout.py (a ratio within one run), not asserted here.
+so it is measured by bench/staleness.py (a ratio within one run), not asserted here.
 """
 
 from __future__ import annotations
