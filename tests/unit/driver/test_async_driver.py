@@ -266,8 +266,9 @@ def test_without_the_held_rollout_a_resume_would_train_on_newer_weights(tiny, tm
     assert resumed.trainer.batches[0] != whole.trainer.batches[1]
 
 
-def test_samples_without_engine_logprobs_are_refused(tiny, tmp_path):
-    driver = _driver(tiny, tmp_path, Checkpoints())
+@pytest.mark.parametrize(("algorithm", "field"), [({}, "asyncRollout"), (TWO_AHEAD, "maxStaleness")])
+def test_samples_without_engine_logprobs_are_refused(tiny, tmp_path, algorithm, field):
+    driver = _driver(tiny, tmp_path, Checkpoints(), **algorithm)
     generate = driver.engines.generate
 
     def without_logprobs(*args, **kw):
@@ -278,16 +279,17 @@ def test_samples_without_engine_logprobs_are_refused(tiny, tmp_path):
         return groups
 
     driver.engines.generate = without_logprobs
-    driver.engines.trainer_saw_it.set()  # no trainer step will run to release the background rollout
-    with pytest.raises(ValueError, match="algorithm.asyncRollout: samples .* came without the engines' log-probs"):
+    driver.engines.hold = False  # no trainer step will run to release the background rollouts
+    with pytest.raises(ValueError, match=f"algorithm.{field}: samples .* came without the engines' log-probs"):
         driver.train_step(0)
 
 
-def test_with_tis_the_ratio_is_against_the_trainers_logprobs_and_the_engines_weigh_it(tiny, tmp_path):
-    # algorithm.tis under asyncRollout: the PPO ratio is taken against the trainer's own log-probs
-    # (its weights now, a step ahead of the rollout's) and the truncated importance weight carries
-    # the engines' (the samples keep them) to those: decoupled PPO.
-    driver = _driver(tiny, tmp_path, Checkpoints(), tis={"cap": 2.0})
+@pytest.mark.parametrize("algorithm", [{}, TWO_AHEAD], ids=["one-ahead", "two-ahead"])
+def test_with_tis_the_ratio_is_against_the_trainers_logprobs_and_the_engines_weigh_it(tiny, tmp_path, algorithm):
+    # algorithm.tis asynchronous: the PPO ratio is taken against the trainer's own log-probs (its
+    # weights now, up to maxStaleness steps ahead of the rollout's) and the truncated importance
+    # weight carries the engines' (the samples keep them) to those: decoupled PPO.
+    driver = _driver(tiny, tmp_path, Checkpoints(), tis={"cap": 2.0}, **algorithm)
     driver.trainer.log_probs = lambda batch: [[-9.0] * len(s.response_ids) for s in batch.samples]
     code, _ = driver.run()
     assert code == 0
