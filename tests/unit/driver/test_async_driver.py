@@ -266,7 +266,8 @@ def test_without_the_held_rollout_a_resume_would_train_on_newer_weights(tiny, tm
     assert resumed.trainer.batches[0] != whole.trainer.batches[1]
 
 
-@pytest.mark.parametrize(("algorithm", "field"), [({}, "asyncRollout"), (TWO_AHEAD, "maxStaleness")])
+@pytest.mark.parametrize(("algorithm", "field"), [({}, "asyncRollout"), (TWO_AHEAD, "maxStaleness")],
+                         ids=["one-ahead", "two-ahead"])
 def test_samples_without_engine_logprobs_are_refused(tiny, tmp_path, algorithm, field):
     driver = _driver(tiny, tmp_path, Checkpoints(), **algorithm)
     generate = driver.engines.generate

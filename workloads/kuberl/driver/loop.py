@@ -665,12 +665,14 @@ class Driver:
     def save(self) -> None:
         state: dict[str, Any] = {"weight_version": self.weight_version, "job": self.job.metadata.name}
         # Asynchronous: the later steps' rollouts, from weights this checkpoint no longer has; the
-        # ones still generating (maxStaleness >= 2) first complete.
+        # ones still generating (maxStaleness >= 2, between sync points) first complete.
+        waited = time.perf_counter()
         if self._rollouts:
             state["rollouts"] = {str(step): rollout_state(rollout.result())
                                  for step, rollout in sorted(self._rollouts.items())}
+        waited = time.perf_counter() - waited
         stall = self.checkpoints.save(self.step, state)
-        log.info("checkpoint step %d started: training stalled %.3f s; shards upload in the background",
-                 self.step, stall)
+        log.info("checkpoint step %d started: training stalled %.3f s (%.3f s of it waiting for %d held rollouts); "
+                 "shards upload in the background", self.step, stall + waited, waited, len(self._rollouts))
         # Reported with the next step, the time between the two being when training stalled.
         self._checkpoint_stall = stall
