@@ -192,6 +192,8 @@ def test_two_steps_ahead_the_engines_get_weights_every_second_step(tiny, tmp_pat
     assert engines.calls == [(seed(0), 0, False), (seed(1), 0, True), (seed(2), 0, True), (seed(3), 2, True),
                              (seed(4), 2, True)]
     assert trainer.overlapped == [True, True, True, True, False]
+    # The steps that end at a sync point (and the last) report a weight sync, the others none.
+    assert ["weight_sync_seconds" in r.metrics for r in results] == [False, True, False, True, True]
     assert [r.metrics["rollout_staleness"] for r in results] == [0.0, 1.0, 2.0, 1.0, 2.0]
     assert [r.metrics["rollout_staleness_mean"] for r in results] == [0.0, 1.0, 2.0, 1.0, 2.0]
     # Every sample records the weights it came from, and the ratio is against their log-probs.

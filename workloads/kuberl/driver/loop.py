@@ -393,7 +393,7 @@ class Driver:
         resized = self._resize_done()
         actions = schedule.step_actions(step, self.total_steps, max_staleness=self.spec.algorithm.staleness(),
                                         held=set(self._rollouts), engines=self.engine_version, fresh=self._fresh)
-        sync = None
+        synced = False
         for action in actions:
             if isinstance(action, schedule.Generate):
                 self._rollouts[action.step] = (self._background.submit(self.rollout, action.step) if action.overlap
@@ -406,7 +406,7 @@ class Driver:
             elif isinstance(action, schedule.Wait):
                 self._rollouts[action.step].result()
             else:
-                self.engine_version = action.version
+                self.engine_version, synced = action.version, True
                 sync = self._sync_weights(action.version)
         elapsed = time.perf_counter() - started
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -414,9 +414,9 @@ class Driver:
         metrics.update(rollout_metrics)
         metrics.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0,
                        response_length=sum(len(s.response_ids) for s in samples) / len(samples),
-                       step_seconds=elapsed, tokens_per_second=tokens / elapsed, **staleness,
-                       weight_sync_seconds=getattr(sync, "seconds", 0.0),
-                       weight_sync_bytes=getattr(sync, "bytes", 0))
+                       step_seconds=elapsed, tokens_per_second=tokens / elapsed, **staleness)
+        if synced:  # not between sync points (maxStaleness >= 2): no 0 s sync to average in
+            metrics.update(weight_sync_seconds=getattr(sync, "seconds", 0.0), weight_sync_bytes=getattr(sync, "bytes", 0))
         metrics.update({f"{phase}_seconds": seconds for phase, seconds in self._timing.phases.items()})
         metrics.update(self.engines.take_counts())
         if resized is not None:
