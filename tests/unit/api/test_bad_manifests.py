@@ -53,6 +53,15 @@ def test_async_rollout_renders_with_an_integer_top_p():
     assert "RayJob" in [o["kind"] for o in render_manifest(manifest)]
 
 
+def test_max_staleness_without_async_rollout_renders():
+    """maxStaleness alone sets the bound; 0 is synchronous and passes the topP and colocate rules."""
+    manifest = minimal_manifest("algo-stale")
+    manifest["spec"]["algorithm"] = {"maxStaleness": 4, "topP": 1}
+    assert "RayJob" in [o["kind"] for o in render_manifest(manifest)]
+    manifest["spec"]["algorithm"] = {"maxStaleness": 0, "topP": 0.9}
+    assert "RayJob" in [o["kind"] for o in render_manifest(manifest)]
+
+
 def test_an_agent_manifest_renders():
     manifest = minimal_manifest("agent")
     manifest["spec"]["agent"] = {"environment": "kuberl.rollout.agents.calculator:Calculator", "maxTurns": 2,

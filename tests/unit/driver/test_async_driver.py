@@ -1,7 +1,7 @@
-"""One-step asynchronous rollouts (``algorithm.asyncRollout``) in the real Driver, with the real
-tokenizer and data: the next step's rollout is generated beside the trainer's step, the ratio is
-taken against the engines' log-probs, and a resumed run trains on exactly what the uninterrupted
-one did.
+"""Asynchronous rollouts (``algorithm.asyncRollout``, ``algorithm.maxStaleness``) in the real
+Driver, with the real tokenizer and data: later steps' rollouts are generated beside the trainer's
+steps, at most maxStaleness weight versions behind, the ratio is taken against the engines'
+log-probs, and a resumed run trains on exactly what the uninterrupted one did.
 
 Engines, trainer, weight sync, reward workers and the checkpoint manager are stand-ins: the real
 ones are Ray actors and tasks (and the checkpoint manager a collective over trainer ranks), which
@@ -32,11 +32,12 @@ class Engines:
         self.calls: list[tuple[int, int, bool]] = []  # (seed, weight version, in the background)
         self.generating = threading.Event()
         self.trainer_saw_it = threading.Event()
+        self.hold = True  # a background generation waits for a trainer step to see it
 
     def generate(self, prompts, n, *, seed, **kw):
         background = threading.current_thread() is not threading.main_thread()
         self.calls.append((seed, self.version, background))
-        if background:  # hold the generation open until the trainer has seen it under way
+        if background and self.hold:  # hold the generation open until the trainer has seen it under way
             self.generating.set()
             assert self.trainer_saw_it.wait(10), "the trainer never ran while this rollout was generated"
             self.trainer_saw_it.clear()
@@ -72,7 +73,7 @@ class Trainer:
         # A rollout submitted to the driver's background thread and not finished: its generation
         # must be under way (or about to be) while this step trains.
         background = any(not f.done() for f in self.driver._rollouts.values())
-        saw = background and self.engines.generating.wait(timeout=10)
+        saw = background and self.engines.hold and self.engines.generating.wait(timeout=10)
         self.overlapped.append(saw)
         if saw:
             self.engines.generating.clear()
@@ -106,12 +107,13 @@ class Checkpoints:
 
     enabled = True
 
-    def __init__(self, restored: dict | None = None):
+    def __init__(self, restored: dict | None = None, at: int | None = None):
         self.restored = restored
+        self.at = at  # the step whose boundary is checkpointed, as checkpoint.intervalSteps would
         self.saved: dict[int, dict] = {}
 
     def due(self, step):
-        return False
+        return step == self.at
 
     def save(self, step, state):
         self.saved[step] = json.loads(json.dumps({**state, "step": step}))
@@ -141,8 +143,8 @@ def _driver(tiny: Path, tmp_path: Path, checkpoints: Checkpoints, **algorithm) -
 
     job = embedded_job(tiny)
     spec = job.spec.model_dump(by_alias=True, exclude_none=True, mode="json")
-    spec["algorithm"].update(klCoef=0.0, promptsPerStep=2, groupSize=2, microBatchSize=2, totalSteps=STEPS,
-                             **{"asyncRollout": True, **algorithm})
+    spec["algorithm"].update(klCoef=0.0, promptsPerStep=2, groupSize=2, microBatchSize=2,
+                             **{"totalSteps": STEPS, "asyncRollout": True, **algorithm})
     spec["checkpoint"] = {}
     job = job.model_copy(update={"spec": type(job.spec).model_validate(spec)})
     plan = plans.local(job, tmp_path / "work")
@@ -159,6 +161,9 @@ def seed(step: int) -> int:
     return 7 * 1_000_003 + step  # the embedded job's seed 7
 
 
+TWO_AHEAD = {"asyncRollout": False, "maxStaleness": 2}
+
+
 def test_the_next_rollout_is_generated_while_the_trainer_steps(tiny, tmp_path):
     driver = _driver(tiny, tmp_path, Checkpoints())
     code, results = driver.run()
@@ -170,27 +175,72 @@ def test_the_next_rollout_is_generated_while_the_trainer_steps(tiny, tmp_path):
     assert engines.calls == [(seed(0), 0, False), (seed(1), 0, True), (seed(2), 1, True)]
     assert trainer.overlapped == [True, True, False]  # the last step has no next rollout
     assert [r.metrics["rollout_staleness"] for r in results] == [0.0, 1.0, 1.0]
+    assert [r.metrics["rollout_staleness_mean"] for r in results] == [0.0, 1.0, 1.0]
     # The ratio's denominator: the log-probs the engines returned with the samples.
     for batch in trainer.batches:
         for _, old, _, version in batch:
             assert old == [-0.25 * (version + 1)] * len(old)
 
 
-def test_a_resumed_run_trains_on_what_the_uninterrupted_run_did(tiny, tmp_path):
-    whole = _driver(tiny, tmp_path / "whole", Checkpoints())
+def test_two_steps_ahead_the_engines_get_weights_every_second_step(tiny, tmp_path):
+    driver = _driver(tiny, tmp_path, Checkpoints(), totalSteps=5, **TWO_AHEAD)
+    code, results = driver.run()
+    assert code == 0
+    engines, trainer = driver.engines, driver.trainer
+    # Weights 0 generate steps 1 and 2 in the background, one after the other, beside steps 0 and
+    # 1; the engines get weights 2 after step 1, which generate steps 3 and 4.
+    assert engines.calls == [(seed(0), 0, False), (seed(1), 0, True), (seed(2), 0, True), (seed(3), 2, True),
+                             (seed(4), 2, True)]
+    assert trainer.overlapped == [True, True, True, True, False]
+    # The steps that end at a sync point (and the last) report a weight sync, the others none.
+    assert ["weight_sync_seconds" in r.metrics for r in results] == [False, True, False, True, True]
+    assert [r.metrics["rollout_staleness"] for r in results] == [0.0, 1.0, 2.0, 1.0, 2.0]
+    assert [r.metrics["rollout_staleness_mean"] for r in results] == [0.0, 1.0, 2.0, 1.0, 2.0]
+    # Every sample records the weights it came from, and the ratio is against their log-probs.
+    assert [{version for *_, version in batch} for batch in trainer.batches] == [{0}, {0}, {0}, {2}, {2}]
+    for batch in trainer.batches:
+        for _, old, _, version in batch:
+            assert old == [-0.25 * (version + 1)] * len(old)
+
+
+@pytest.mark.parametrize(("algorithm", "stop", "held"), [({}, 1, {1: 0}), (TWO_AHEAD, 1, {1: 0, 2: 0}),
+                                                         (TWO_AHEAD, 2, {2: 0}), (TWO_AHEAD, 3, {3: 2, 4: 2})],
+                         ids=["one-ahead", "two-ahead-mid-window", "two-ahead-at-sync", "two-ahead-later"])
+def test_a_resumed_run_trains_on_what_the_uninterrupted_run_did(tiny, tmp_path, algorithm, stop, held):
+    whole = _driver(tiny, tmp_path / "whole", Checkpoints(), totalSteps=5, **algorithm)
     whole.run()
 
+    # Checkpointed at the boundary of step `stop`, where a rollout may still be generating
+    # (maxStaleness 2, mid-window): the save waits for it.
+    first = _driver(tiny, tmp_path / "first", Checkpoints(at=stop), totalSteps=5, **algorithm)
+    first.engines.hold = False
+    first.run(max_steps=stop)
+    # Every rollout not yet trained on is held, with the weights that generated it.
+    state = first.checkpoints.saved[stop]
+    assert {int(step): {s["weight_version"] for s in rollout["samples"]}
+            for step, rollout in state["rollouts"].items()} == {step: {version} for step, version in held.items()}
+
+    resumed = _driver(tiny, tmp_path / "resumed", Checkpoints(restored=state), totalSteps=5, **algorithm)
+    resumed.restore()
+    resumed.engines.hold = False  # the generations of a resumed run's first step need not overlap one
+    resumed.run()
+    # The held rollouts are not generated again; the rest as in the uninterrupted run.
+    assert resumed.engines.calls == [call for call in whole.engines.calls if call[0] >= seed(max(held) + 1)]
+    assert first.trainer.batches + resumed.trainer.batches == whole.trainer.batches
+
+
+def test_a_checkpoint_written_before_max_staleness_restores_its_rollout(tiny, tmp_path):
+    """Its driver state holds the one held rollout as ``rollout``: nothing saved is lost."""
     first = _driver(tiny, tmp_path / "first", Checkpoints())
     first.run(max_steps=1)
-    first.save()  # at the boundary of step 1: step 1's rollout, from weights 0, is held
+    first.save()
     state = first.checkpoints.saved[1]
-    assert [s["weight_version"] for s in state["rollout"]["samples"]] == [0] * 4
-
-    resumed = _driver(tiny, tmp_path / "resumed", Checkpoints(restored=state))
+    old = {**{k: v for k, v in state.items() if k != "rollouts"}, "rollout": state["rollouts"]["1"]}
+    resumed = _driver(tiny, tmp_path / "resumed", Checkpoints(restored=old))
     resumed.restore()
+    assert set(resumed._rollouts) == {1}
     resumed.run()
-    assert resumed.engines.calls == [(seed(2), 1, True)]  # step 1's rollout is not generated again
-    assert first.trainer.batches + resumed.trainer.batches == whole.trainer.batches
+    assert resumed.engines.calls == [(seed(2), 1, True)]
 
 
 def test_sigterm_checkpoints_the_held_rollout(tiny, tmp_path):
@@ -198,7 +248,7 @@ def test_sigterm_checkpoints_the_held_rollout(tiny, tmp_path):
     driver.preemption.requested = True  # what SIGTERM sets
     code, results = driver.run()
     assert (code, len(results)) == (EXIT_PREEMPTED, 1)
-    held = driver.checkpoints.saved[1]["rollout"]
+    held = driver.checkpoints.saved[1]["rollouts"]["1"]
     assert [s["weight_version"] for s in held["samples"]] == [0] * 4
     assert held["task_rewards"] and set(held["metrics"]) >= {"groups_generated", "groups_dropped"}
 
@@ -210,7 +260,7 @@ def test_without_the_held_rollout_a_resume_would_train_on_newer_weights(tiny, tm
     first = _driver(tiny, tmp_path / "first", Checkpoints())
     first.run(max_steps=1)
     first.save()
-    state = {k: v for k, v in first.checkpoints.saved[1].items() if k != "rollout"}
+    state = {k: v for k, v in first.checkpoints.saved[1].items() if k != "rollouts"}
     resumed = _driver(tiny, tmp_path / "resumed", Checkpoints(restored=state))
     resumed.restore()
     resumed.run()
@@ -218,8 +268,10 @@ def test_without_the_held_rollout_a_resume_would_train_on_newer_weights(tiny, tm
     assert resumed.trainer.batches[0] != whole.trainer.batches[1]
 
 
-def test_samples_without_engine_logprobs_are_refused(tiny, tmp_path):
-    driver = _driver(tiny, tmp_path, Checkpoints())
+@pytest.mark.parametrize(("algorithm", "field"), [({}, "asyncRollout"), (TWO_AHEAD, "maxStaleness")],
+                         ids=["one-ahead", "two-ahead"])
+def test_samples_without_engine_logprobs_are_refused(tiny, tmp_path, algorithm, field):
+    driver = _driver(tiny, tmp_path, Checkpoints(), **algorithm)
     generate = driver.engines.generate
 
     def without_logprobs(*args, **kw):
@@ -230,16 +282,17 @@ def test_samples_without_engine_logprobs_are_refused(tiny, tmp_path):
         return groups
 
     driver.engines.generate = without_logprobs
-    driver.engines.trainer_saw_it.set()  # no trainer step will run to release the background rollout
-    with pytest.raises(ValueError, match="algorithm.asyncRollout: samples .* came without the engines' log-probs"):
+    driver.engines.hold = False  # no trainer step will run to release the background rollouts
+    with pytest.raises(ValueError, match=f"algorithm.{field}: samples .* came without the engines' log-probs"):
         driver.train_step(0)
 
 
-def test_with_tis_the_ratio_is_against_the_trainers_logprobs_and_the_engines_weigh_it(tiny, tmp_path):
-    # algorithm.tis under asyncRollout: the PPO ratio is taken against the trainer's own log-probs
-    # (its weights now, a step ahead of the rollout's) and the truncated importance weight carries
-    # the engines' (the samples keep them) to those: decoupled PPO.
-    driver = _driver(tiny, tmp_path, Checkpoints(), tis={"cap": 2.0})
+@pytest.mark.parametrize("algorithm", [{}, TWO_AHEAD], ids=["one-ahead", "two-ahead"])
+def test_with_tis_the_ratio_is_against_the_trainers_logprobs_and_the_engines_weigh_it(tiny, tmp_path, algorithm):
+    # algorithm.tis asynchronous: the PPO ratio is taken against the trainer's own log-probs (its
+    # weights now, up to maxStaleness steps ahead of the rollout's) and the truncated importance
+    # weight carries the engines' (the samples keep them) to those: decoupled PPO.
+    driver = _driver(tiny, tmp_path, Checkpoints(), tis={"cap": 2.0}, **algorithm)
     driver.trainer.log_probs = lambda batch: [[-9.0] * len(s.response_ids) for s in batch.samples]
     code, _ = driver.run()
     assert code == 0

@@ -320,6 +320,10 @@ DAPO_OVERLONG_PENALTY = 1.0
 DAPO_MAX_REFILL_ROUNDS = 3
 
 
+# CEL: rollouts may run ahead of the trainer (AlgorithmSpec.staleness() > 0).
+STALE_CEL = "(self.asyncRollout || (has(self.maxStaleness) && self.maxStaleness > 0))"
+
+
 def _clip_cel(bound: str) -> str:
     """CEL for clipRatio<bound> as the job gets it: the field, else the algorithm's default."""
     index = 0 if bound == "Low" else 1
@@ -351,10 +355,14 @@ class AlgorithmSpec(APIModel):
              "self.promptsPerStep % self.miniBatchSize == 0)",
              "algorithm.miniBatchSize must divide algorithm.promptsPerStep (prompts per optimizer update)",
              ".miniBatchSize"),
-        rule("!self.asyncRollout || (double(self.topP) == 1.0 && self.topK == -1)",
-             "algorithm.asyncRollout measures the importance ratio against the engines' log-probs, which "
-             "with topP < 1 or topK are those of the truncated distribution the trainer does not compute; "
-             "leave topP: 1 and topK: -1, or set asyncRollout: false", ".asyncRollout"),
+        rule(f"!{STALE_CEL} || (double(self.topP) == 1.0 && self.topK == -1)",
+             "algorithm.asyncRollout and maxStaleness measure the importance ratio against the engines' "
+             "log-probs, which with topP < 1 or topK are those of the truncated distribution the trainer "
+             "does not compute; leave topP: 1 and topK: -1, or set asyncRollout: false and maxStaleness: 0",
+             ".asyncRollout"),
+        rule("!self.asyncRollout || !has(self.maxStaleness)",
+             "algorithm.asyncRollout: true is maxStaleness: 1; set maxStaleness alone (1 for one step "
+             "ahead, more for more)", ".maxStaleness"),
         rule("!has(self.tis) || (double(self.topP) == 1.0 && self.topK == -1)",
              "algorithm.tis weighs each token by the trainer's probability over the engines', whose "
              "log-probs with topP < 1 or topK are those of the truncated distribution the trainer does "
@@ -412,8 +420,17 @@ class AlgorithmSpec(APIModel):
     async_rollout: bool = Field(False, description="One-step asynchronous rollouts: the engines generate "
                                 "step n+1's rollout while the trainer trains on step n's, so each step "
                                 "trains on samples of the weights one step old (the staleness bound); the "
-                                "importance ratio is taken against the engines' log-probs. Needs topP 1, topK -1 and "
-                                "rollout.colocate: false (docs/algorithms.md).")
+                                "importance ratio is taken against the engines' log-probs. The same as maxStaleness: 1 (set "
+                                "one of the two). Needs topP 1, topK -1 and rollout.colocate: false "
+                                "(docs/algorithms.md).")
+    max_staleness: int | None = Field(None, ge=0, le=64, description="Bounded staleness: rollouts run up to "
+                                      "this many policy versions ahead of the trainer. The engines get new "
+                                      "weights every maxStaleness steps and generate the next maxStaleness "
+                                      "steps' rollouts with them meanwhile, so a step trains on samples 1 to "
+                                      "maxStaleness versions old; the importance ratio is taken against the "
+                                      "engines' log-probs (with tis, corrected by it). 0: synchronous; 1 is "
+                                      "asyncRollout: true (set one of the two). Needs topP 1, topK -1 and "
+                                      "rollout.colocate: false (docs/algorithms.md).")
     tis: TruncatedISSpec | None = Field(None, description="Truncated importance sampling: each token's "
                                         "loss is weighted by min(pi_old / mu, cap), where mu is the engines' "
                                         "probability of the token as it was sampled and pi_old the trainer's "
@@ -421,6 +438,12 @@ class AlgorithmSpec(APIModel):
                                         "against the trainer's) and, with asyncRollout, their older weights "
                                         "(then the PPO ratio is taken against the trainer's own log-probs). "
                                         "Set {} for the default cap. Needs topP 1 and topK -1 (docs/algorithms.md).")
+
+    def staleness(self) -> int:
+        """The staleness bound as the driver runs it: maxStaleness, else 1 with asyncRollout, else 0."""
+        if self.max_staleness is not None:
+            return self.max_staleness
+        return 1 if self.async_rollout else 0
 
     def clip_range(self) -> tuple[float, float]:
         """(clipRatioLow, clipRatioHigh) with the algorithm's defaults for the unset ones."""
@@ -731,9 +754,10 @@ class RLTrainingJobSpec(APIModel):
         rule("self.weightSync.method != 'ipc' || self.rollout.colocate",
              "weightSync.method ipc needs rollout.colocate: true (CUDA IPC works only on the same GPUs)",
              ".weightSync.method"),
-        rule("!self.algorithm.asyncRollout || !self.rollout.colocate",
-             "algorithm.asyncRollout needs rollout.colocate: false (colocated engines sleep while the "
-             "trainer steps, so nothing can overlap); set one of them to false", ".algorithm.asyncRollout"),
+        rule(f"!{STALE_CEL.replace('self.', 'self.algorithm.')} || !self.rollout.colocate",
+             "algorithm.asyncRollout and maxStaleness need rollout.colocate: false (colocated engines sleep "
+             "while the trainer steps, so nothing can overlap); set rollout.colocate: false, or "
+             "asyncRollout: false and maxStaleness: 0", ".algorithm.asyncRollout"),
         rule("!self.rollout.colocate || self.trainer.gpusPerReplica > 0",
              "rollout.colocate needs trainer.gpusPerReplica > 0", ".rollout.colocate"),
         rule("!self.rollout.colocate || self.rollout.tensorParallelSize < 1 || "

@@ -19,7 +19,8 @@ class Sample:
     response_ids: list[int]
     # Log-probs of ``response_ids`` under the sampling policy (one per response token), or None.
     response_logprobs: list[float] | None = None
-    # Which weights produced the sample (0 = the initial model, +1 per weight sync).
+    # Which weights produced the sample, whole (no weight update reaches an engine with a request
+    # in flight): the model after that many training steps, 0 the initial one.
     weight_version: int = 0
     # The prompt's position in the step's prompt list: samples with the same index form a GRPO group.
     group: int = 0

@@ -8,10 +8,11 @@ trainer -> policy updates over mini-batches (``kuberl.driver.updates``; the trai
 algorithm's too) -> weight sync to the engines -> validation when due -> metrics, trackers, progress
 and, every ``intervalSteps``, a checkpoint. The algorithm is ``spec.algorithm.name`` looked up once
 in ``kuberl.train.algorithms.registry``, here and in ``TrainerConfig.from_spec``. With
-``spec.algorithm.asyncRollout`` the next step's rollout is generated in a background thread
-while the trainer trains (``kuberl.driver.schedule`` orders generation, training and weight sync).
-Everything a resumed run needs is in the checkpoint (trainer state, step, weight version, and the
-rollout generated but not yet trained on), so a resumed run continues exactly where it stopped.
+``spec.algorithm.maxStaleness`` (``asyncRollout`` is 1) later steps' rollouts are generated in a
+background thread while the trainer trains, up to that many weight versions behind it
+(``kuberl.driver.schedule`` orders generation, training and weight sync). Everything a resumed
+run needs is in the checkpoint (trainer state, step, weight version, and the rollouts generated
+but not yet trained on), so a resumed run continues exactly where it stopped.
 A rollout engine lost mid-step costs no step: the pool regenerates its share on the engines left,
 and a replacement joins at a step boundary with the current weights (``_replenish_engines``). One
 lost during a weight sync costs none either: the sync drops it, rebuilds its group for the engines
@@ -94,7 +95,23 @@ def rollout_from_state(state: dict[str, Any]) -> Rollout:
     return [Sample(**s) for s in state["samples"]], state["task_rewards"], state["metrics"]
 
 
-def engine_logprobs(samples: Sequence[Sample], field: str = "algorithm.asyncRollout") -> list[list[float]]:
+def held_rollouts(state: dict[str, Any]) -> dict[int, Rollout]:
+    """The rollouts a checkpoint's driver state holds, by step: ``rollouts`` (maxStaleness), or
+    ``rollout``, the one step's that checkpoints written before maxStaleness hold."""
+    if "rollout" in state:
+        return {state["step"]: rollout_from_state(state["rollout"])}
+    return {int(step): rollout_from_state(rollout) for step, rollout in state.get("rollouts", {}).items()}
+
+
+def staleness_metrics(trainer_version: int, samples: Sequence[Sample]) -> dict[str, float]:
+    """How many weight versions the trainer is ahead of the weights that generated the step's
+    samples (each records its own: ``Sample.weight_version``): the oldest sample's and the mean.
+    0 synchronous; at most ``maxStaleness`` asynchronous."""
+    ages = [trainer_version - s.weight_version for s in samples]
+    return {"rollout_staleness": float(max(ages)), "rollout_staleness_mean": sum(ages) / len(ages)}
+
+
+def engine_logprobs(samples: Sequence[Sample], field: str) -> list[list[float]]:
     """The behaviour policy's log-probs as the engines returned them with the samples; ``field``
     names the setting that needs them, for the error when some samples came without (an agent
     harness that returns none: docs/agents.md)."""
@@ -213,9 +230,10 @@ class Driver:
         self.exporter = exporter
         self.metrics_file = metrics_file
         self.step = 0
-        self.weight_version = 0
+        self.weight_version = 0  # the trainer's
+        self.engine_version = 0  # the engines': older between sync points (maxStaleness >= 2)
         # Rollouts generated, or being generated, and not yet trained on, by step
-        # (kuberl.driver.schedule: at most the current step's and, asynchronous, the next one's).
+        # (kuberl.driver.schedule: the current step's and, asynchronous, up to maxStaleness later ones).
         self._rollouts: dict[int, Future] = {}
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         self._timing = threading.local()  # .phases: what _phase adds to, per thread
@@ -356,19 +374,26 @@ class Driver:
         metrics.update({f"{phase}_seconds": seconds for phase, seconds in self._timing.phases.items()})
         return samples, task_rewards, metrics
 
+    def _fresh(self, version: int) -> bool:
+        """Whether the engines must hold the trainer's weights after step ``version``: validation
+        then generates with them (a sync point: ``kuberl.driver.schedule.syncs_at``)."""
+        return self.validator is not None and self.validator.due(version, self.total_steps)
+
     def train_step(self, step: int) -> StepResult:
         """Step ``step`` as ``kuberl.driver.schedule.step_actions`` lays it out: its rollout (unless
-        generated already), with asyncRollout the next step's generated in the background beside
-        the updates, then the weight sync."""
+        generated already), asynchronous the later steps' generated in the background beside the
+        updates, then at a sync point the weight sync."""
         import torch
 
         started = time.perf_counter()
         self._timing.phases = {}
         self._resize_engines()
-        self._replenish_engines()
+        if self.engine_version == self.weight_version:  # nothing out: the engines may change
+            self._replenish_engines()
         resized = self._resize_done()
-        actions = schedule.step_actions(step, self.total_steps, one_step_async=self.spec.algorithm.async_rollout,
-                                        held=step in self._rollouts)
+        actions = schedule.step_actions(step, self.total_steps, max_staleness=self.spec.algorithm.staleness(),
+                                        held=set(self._rollouts), engines=self.engine_version, fresh=self._fresh)
+        synced = False
         for action in actions:
             if isinstance(action, schedule.Generate):
                 self._rollouts[action.step] = (self._background.submit(self.rollout, action.step) if action.overlap
@@ -376,13 +401,12 @@ class Driver:
             elif isinstance(action, schedule.Train):
                 samples, task_rewards, rollout_metrics = self._rollouts.pop(action.step).result()
                 metrics = self._update(action.step, samples)
-                # How many steps (weight versions) the trainer is ahead of the weights that
-                # generated the oldest sample: 0 synchronous, at most 1 asynchronous.
-                staleness = self.weight_version - min(s.weight_version for s in samples)
+                staleness = staleness_metrics(self.weight_version, samples)
+                self.weight_version = action.step + 1
             elif isinstance(action, schedule.Wait):
                 self._rollouts[action.step].result()
             else:
-                self.weight_version = action.version
+                self.engine_version, synced = action.version, True
                 sync = self._sync_weights(action.version)
         elapsed = time.perf_counter() - started
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -390,10 +414,9 @@ class Driver:
         metrics.update(rollout_metrics)
         metrics.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0,
                        response_length=sum(len(s.response_ids) for s in samples) / len(samples),
-                       step_seconds=elapsed, tokens_per_second=tokens / elapsed,
-                       rollout_staleness=float(staleness),
-                       weight_sync_seconds=getattr(sync, "seconds", 0.0),
-                       weight_sync_bytes=getattr(sync, "bytes", 0))
+                       step_seconds=elapsed, tokens_per_second=tokens / elapsed, **staleness)
+        if synced:  # not between sync points (maxStaleness >= 2): no 0 s sync to average in
+            metrics.update(weight_sync_seconds=getattr(sync, "seconds", 0.0), weight_sync_bytes=getattr(sync, "bytes", 0))
         metrics.update({f"{phase}_seconds": seconds for phase, seconds in self._timing.phases.items()})
         metrics.update(self.engines.take_counts())
         if resized is not None:
@@ -409,7 +432,7 @@ class Driver:
     def _resize_engines(self) -> None:
         """At the step boundary: the pool resized to spec.rollout.replicas as the job has it now
         (the reporter reads it; ``kubectl patch`` changes it while the job runs). Fewer engines
-        retire at once, after any rollout still generating (asyncRollout) has finished, and the
+        retire at once, after any rollout still generating (maxStaleness) has finished, and the
         pods the engines left run in go to status (the operator deletes only other rollout pods);
         more start now and join through
         ``replenish`` once KubeRay's new pods give Ray their resources. Colocated engines live on
@@ -449,9 +472,11 @@ class Driver:
             self.reporter.recovered("resize", metrics["rollout_resize_seconds"])
 
     def _replenish_engines(self) -> None:
-        """At the step boundary (nothing generating): engines lost earlier are replaced as their
-        replacements come up (``EnginePool.replenish``, never waiting for one); those that joined
-        get the current weights before they serve, so their samples carry this weight version."""
+        """At a step boundary where nothing is generating (every one but with maxStaleness >= 2,
+        where the engines hold older weights between sync points: at those only): engines lost
+        earlier are replaced as their replacements come up (``EnginePool.replenish``, never waiting
+        for one); those that joined get the current weights before they serve, so their samples
+        carry this weight version."""
         if self.engines.replenish():
             self._sync_weights(self.weight_version)
 
@@ -484,7 +509,7 @@ class Driver:
                 setattr(batch, f"{name}_logprobs", self._logprobs(name, batch))
         with self._phase("update"):
             metrics = policy_updates(self.trainer, batch, self.spec.algorithm)
-        if batch.old_logprobs is not None and not self.spec.algorithm.async_rollout:
+        if batch.old_logprobs is not None and not self.spec.algorithm.staleness():
             metrics.update(engine_logprob_gap(samples, batch.old_logprobs))  # the trainer's own: comparable
         if colocated:
             with self._phase("wake"):
@@ -495,12 +520,15 @@ class Driver:
         """The behaviour policy's ("old") log-probs, before the first update: the ratio of every
         update is measured against them (kuberl.driver.updates). Synchronous, the trainer
         recomputes them with its own numerics: it still holds the weights that generated the
-        rollout. With asyncRollout it is a step ahead of those weights, so they are the engines'
-        (vLLM's, after temperature, as the tokens were drawn), unless algorithm.tis: then the ratio
-        is against the trainer's own log-probs (its weights now, the proximal policy) and the
-        truncated importance weight corrects from the engines' to those."""
-        if name == "old" and self.spec.algorithm.async_rollout and self.spec.algorithm.tis is None:
-            return engine_logprobs(batch.samples)
+        rollout. Asynchronous (maxStaleness, asyncRollout) it is up to maxStaleness versions ahead
+        of those weights, so they are the engines' (vLLM's, after temperature, as the tokens were
+        drawn), unless algorithm.tis: then the ratio is against the trainer's own log-probs (its
+        weights now, the proximal policy) and the truncated importance weight corrects from the
+        engines' to those."""
+        if name == "old" and self.spec.algorithm.staleness() and self.spec.algorithm.tis is None:
+            algo = self.spec.algorithm
+            return engine_logprobs(batch.samples, "algorithm.maxStaleness" if algo.max_staleness is not None
+                                   else "algorithm.asyncRollout")
         return getattr(self.trainer, LOGPROB_METHODS[name])(batch)
 
     # --- the run -----------------------------------------------------------------------------
@@ -512,9 +540,9 @@ class Driver:
         if state is None:
             return False
         self.step = state["step"]
-        self.weight_version = state["weight_version"]
-        if "rollout" in state:  # generated by the weights before these (asyncRollout): not to regenerate
-            self._rollouts[self.step] = _done(rollout_from_state(state["rollout"]))
+        self.weight_version = self.engine_version = state["weight_version"]
+        # Generated by weights older than these (asynchronous): not to regenerate.
+        self._rollouts.update({step: _done(rollout) for step, rollout in held_rollouts(state).items()})
         # The engines hold other weights (the initial ones, or a lost trainer group's): push these.
         self.weight_sync.sync(self.weight_version)
         return True
@@ -601,7 +629,7 @@ class Driver:
         log.warning("%s during step %d: ending its group and starting a new one (waiting up to %d s for its "
                     "resources), then restoring the newest checkpoint", lost, self.step + 1,
                     TRAINER_REPLACEMENT_TIMEOUT_S)
-        for rollout in self._rollouts.values():  # asyncRollout: the engines finish before new weights come
+        for rollout in self._rollouts.values():  # asynchronous: the engines finish before new weights come
             rollout.exception()
         self._rollouts.clear()
         # The commit under way first: one whose every rank has uploaded its shards completes (a
@@ -614,7 +642,7 @@ class Driver:
             raise TrainerCapacityError(f"{lost} during step {self.step + 1}, and {exc}: a new attempt takes "
                                        f"over") from lost
         self.weight_sync.replace_trainers()
-        lost_step, self.step, self.weight_version = self.step, 0, 0
+        lost_step, self.step, self.weight_version, self.engine_version = self.step, 0, 0, 0
         if not self.restore():  # no checkpoint: the model's initial weights, from step 0
             self.weight_sync.sync(self.weight_version)
         self._trainer_recovery = time.perf_counter() - started
@@ -636,10 +664,15 @@ class Driver:
 
     def save(self) -> None:
         state: dict[str, Any] = {"weight_version": self.weight_version, "job": self.job.metadata.name}
-        if self.step in self._rollouts:  # asyncRollout: the next step's, complete at a step boundary
-            state["rollout"] = rollout_state(self._rollouts[self.step].result())
+        # Asynchronous: the later steps' rollouts, from weights this checkpoint no longer has; the
+        # ones still generating (maxStaleness >= 2, between sync points) first complete.
+        waited = time.perf_counter()
+        if self._rollouts:
+            state["rollouts"] = {str(step): rollout_state(rollout.result())
+                                 for step, rollout in sorted(self._rollouts.items())}
+        waited = time.perf_counter() - waited
         stall = self.checkpoints.save(self.step, state)
-        log.info("checkpoint step %d started: training stalled %.3f s; shards upload in the background",
-                 self.step, stall)
+        log.info("checkpoint step %d started: training stalled %.3f s (%.3f s of it waiting for %d held rollouts); "
+                 "shards upload in the background", self.step, stall + waited, waited, len(self._rollouts))
         # Reported with the next step, the time between the two being when training stalled.
         self._checkpoint_stall = stall

@@ -5,9 +5,9 @@ the rollouts), before the first update. The batch is then cut into mini-batches 
 (``algorithm.miniBatchSize`` prompts each) and every mini-batch is one optimizer update; with
 ``algorithm.updateEpochs`` > 1 the pass repeats. From the second update on the weights differ
 from the behaviour policy, the importance ratio moves away from 1 and the PPO clip
-(``clipRatioLow``/``clipRatioHigh``) binds; with a single update it cannot, unless
-``asyncRollout``: then the rollout is a step older than the weights and ``old_logprobs`` are the
-engines' own (``kuberl.driver.schedule``).
+(``clipRatioLow``/``clipRatioHigh``) binds; with a single update it cannot, unless asynchronous
+(``maxStaleness``, ``asyncRollout``): then the rollout is up to maxStaleness steps older than the
+weights and ``old_logprobs`` are the engines' own (``kuberl.driver.schedule``).
 
 The algorithm (``kuberl.train.algorithms``) composes here: the driver computes the log-probs
 and advantages it asks for, and each update's loss on the trainer is the algorithm's.
