@@ -25,6 +25,9 @@ KUBERNETES_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
 KUBERAY_VERSION = "v1.6.2"
 KWOK_VERSION = "v0.8.0"
+# Kueue 0.17.0: built against KubeRay v1.6.0's RayJob API and client-go 0.35 (one minor behind the
+# API server, inside client-go's skew). It is the only version the Go module proxy lists here.
+KUEUE_VERSION = "v0.17.0"
 HELM_VERSION = "v3.22.0"
 COREDNS_VERSION = "v1.15.0"
 # Prometheus 3.16.0: its Go module numbers 3.x releases v0.3xx.y. Debian's package is built without
@@ -172,6 +175,24 @@ COMPONENTS: dict[str, Component] = {
                 "kustomize/stage/pod/fast/pod-complete.yaml",
                 "kustomize/stage/pod/fast/pod-delete.yaml",
             ),
+        ),
+        Component(
+            name="kueue",
+            module="sigs.k8s.io/kueue",
+            version=KUEUE_VERSION,
+            package="sigs.k8s.io/kueue/cmd/kueue",
+            group=f"kueue-{KUEUE_VERSION}",
+            # Its CRDs and its webhook configurations (rewritten by the harness to call the
+            # webhook server on loopback), from the module it is built from.
+            data_files=tuple(
+                f"config/components/crd/bases/kueue.x-k8s.io_{kind}.yaml"
+                for kind in (
+                    "admissionchecks", "clusterqueues", "cohorts", "localqueues", "multikueueclusters",
+                    "multikueueconfigs", "provisioningrequestconfigs", "resourceflavors", "topologies",
+                    "workloadpriorityclasses", "workloads",
+                )
+            )
+            + ("config/components/webhook/manifests.yaml",),
         ),
         Component(
             name="prometheus",
