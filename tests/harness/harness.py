@@ -460,9 +460,13 @@ class Cluster:
         config = self.workdir / "kueue-config.yaml"
         config.write_text(yaml.safe_dump(kueue.configuration(
             self.ports["kueue-webhook"], cert_dir, self.ports["kueue-health"], self.ports["kueue-metrics"])))
+        # Served, not only Established: Kueue sets up its indexes at start and exits on a kind that
+        # discovery does not list yet.
         for crd in crds:
-            name = f"{crd['spec']['names']['plural']}.{crd['spec']['group']}"
-            _wait(f"CRD {name} Established", lambda: self.crd_established(name), 90, self.processes)
+            group, plural = crd["spec"]["group"], crd["spec"]["names"]["plural"]
+            version = next(v["name"] for v in crd["spec"]["versions"] if v.get("storage"))
+            _wait(f"{plural}.{group}/{version} served", lambda: self._api_ok(f"/apis/{group}/{version}/{plural}"), 90,
+                  self.processes)
         process = self._spawn("kueue", [str(binary_path("kueue")), f"--config={config}", "--zap-log-level=info"],
                               env=dict(os.environ, KUBECONFIG=str(self.kubeconfigs["kueue"])))
         if self.network:  # real nodes: Kueue is in the cluster's network namespace; its probe is forwarded
