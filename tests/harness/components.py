@@ -93,6 +93,8 @@ class Component:
     main_go: str | None = None
     # Go build tags.
     tags: tuple[str, ...] = ()
+    # Built only when asked for by name (a fixture few tests use), not with the control plane.
+    optional: bool = False
 
     @property
     def binary_name(self) -> str:
@@ -182,6 +184,9 @@ COMPONENTS: dict[str, Component] = {
             version=KUEUE_VERSION,
             package="sigs.k8s.io/kueue/cmd/kueue",
             group=f"kueue-{KUEUE_VERSION}",
+            # Its cold build is the longest of all (every Kueue integration's API module): only
+            # the tests of fixture `kueue` pay for it.
+            optional=True,
             # Its CRDs and its webhook configurations (rewritten by the harness to call the
             # webhook server on loopback), from the module it is built from.
             data_files=tuple(
@@ -220,6 +225,10 @@ COMPONENTS: dict[str, Component] = {
         ),
     ]
 }
+
+
+# What the control plane needs: every component but the optional ones.
+REQUIRED = [name for name, component in COMPONENTS.items() if not component.optional]
 
 
 def cache_dir() -> Path:

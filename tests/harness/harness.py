@@ -442,6 +442,8 @@ class Cluster:
         webhooks on loopback, then the process, ready when its webhook server is up."""
         if any(p.name == "kueue" for p in self.processes):
             return
+        if missing_components(["kueue"]):
+            raise ClusterError("Kueue is not built: run `python -m tests.harness build kueue` first")
         for name in ("kueue-webhook", "kueue-health", "kueue-metrics"):
             self.ports[name] = unclaimed_port()
         ca_pem = self.ca.pair.cert.read_bytes()

@@ -57,6 +57,10 @@ def k8s_cluster():
 def kueue(k8s_cluster):
     """Kueue (its RayJob integration; tests/harness/kueue.py) on the session's control plane,
     started by the first test that asks for it and stopped with the cluster."""
+    try:
+        build(["kueue"])
+    except GoToolchainError as err:
+        pytest.skip(f"Kueue unavailable: {err}")
     k8s_cluster.start_kueue()
     return k8s_cluster
 
