@@ -101,7 +101,10 @@ class Controller:
         workload = None
         if current is not None and job.spec.scheduling.queue_name:
             owner = (job.metadata.namespace, current["metadata"]["name"])
-            workload = next(iter(self.indices["workloads_by_ray_job"].get(owner, [])), None)
+            # By the RayJob's uid too: a lingering Workload of a deleted RayJob of the same name (the job
+            # deleted and made again) is not this one's.
+            workload = next((w for w in self.indices["workloads_by_ray_job"].get(owner, [])
+                             if w["owner_uid"] == current["metadata"].get("uid")), None)
         return o.Observed(ray_jobs=ray_jobs, config_map=config_map, ray_cluster=cluster, pods=pods, usages=usages,
                           workload=workload)
 
@@ -231,11 +234,12 @@ def register(registry: kopf.OperatorRegistry) -> None:
     # Without Kueue's CRD kopf has nothing to watch, and the index stays empty.
     @kopf.index("kueue.x-k8s.io", "v1beta2", "workloads", id="workloads_by_ray_job", registry=registry)
     def workloads_by_ray_job(namespace, meta, spec, status, **_):
-        owners = [ref["name"] for ref in meta.get("ownerReferences") or []
-                  if ref.get("kind") == "RayJob" and ref.get("apiVersion", "").startswith("ray.io/")]
-        kept = {"metadata": {"name": meta["name"]}, "spec": {"active": spec.get("active", True)},
-                "status": {"conditions": _plain(status.get("conditions") or [])}}
-        return {(namespace, owner): kept for owner in owners}
+        owners = [ref for ref in meta.get("ownerReferences") or []
+                  if ref.get("kind") == "RayJob" and ref.get("apiVersion", "").startswith("ray.io/") and ref.get("controller")]
+        return {(namespace, ref["name"]): {"metadata": {"name": meta["name"]}, "owner_uid": ref.get("uid"),
+                                           "spec": {"active": spec.get("active", True)},
+                                           "status": {"conditions": _plain(status.get("conditions") or [])}}
+                for ref in owners}
 
     @kopf.index("v1", "configmaps", id="config_maps_by_job", **owned)
     def config_maps_by_job(namespace, labels, meta, body, **_):
