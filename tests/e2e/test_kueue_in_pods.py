@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.conftest import NAMESPACE, condition, example
+from tests.harness.build import build
 from tests.harness.helpers import apply
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_nodes, pytest.mark.slow,
@@ -27,6 +28,7 @@ RUN_TIMEOUT_S = 1200
 
 @pytest.fixture(scope="module")
 def queue(product):
+    build(["kueue"])
     product.cluster.start_kueue()
     objects = [
         {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": "e2e"}},

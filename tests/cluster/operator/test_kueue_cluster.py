@@ -17,7 +17,7 @@ QUEUE = "team"
 QUOTA = {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "8"}
 
 
-def queues(namespace: str) -> list[dict]:
+def queues(namespace: str, preemption: bool = False) -> list[dict]:
     """A ResourceFlavor, a ClusterQueue with quota for one job, and a LocalQueue in `namespace`
     (cluster-scoped names carry the namespace: the session cluster is shared)."""
     flavor, cluster_queue = f"flavor-{namespace}", f"cq-{namespace}"
@@ -25,6 +25,7 @@ def queues(namespace: str) -> list[dict]:
         {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": flavor}},
         {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": cluster_queue},
          "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+                  **({"preemption": {"withinClusterQueue": "LowerPriority"}} if preemption else {}),
                   "resourceGroups": [{"coveredResources": list(QUOTA), "flavors": [
                       {"name": flavor, "resources": [{"name": r, "nominalQuota": q} for r, q in QUOTA.items()]}]}]}},
         {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue", "metadata": {"name": QUEUE, "namespace": namespace},
@@ -43,8 +44,8 @@ def admitted(cluster, namespace: str, name: str) -> dict | bool:
 
 
 @pytest.fixture
-def local_queue(k8s_cluster, kueue, namespace):
-    objects = queues(namespace)
+def local_queue(k8s_cluster, kueue, namespace, request):
+    objects = queues(namespace, preemption=getattr(request, "param", False))
     apply(k8s_cluster, objects)
     yield QUEUE
     for obj in objects[:2]:  # cluster-scoped: the namespace's deletion does not take them
@@ -112,3 +113,31 @@ def test_suspend_and_resume_of_a_queued_job_go_through_kueue(k8s_cluster, namesp
     k8s_cluster.kubectl("patch", "rltj", name, "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}')
     wait_for("admitted again", lambda: admitted(k8s_cluster, namespace, name), k8s_cluster, timeout=90)
     assert workload_of(k8s_cluster, namespace, name)["spec"].get("active", True) is True
+
+
+@pytest.mark.parametrize("local_queue", [True], indirect=True, ids=["preempting-queue"])
+def test_a_kueue_preemption_is_a_suspension_not_a_failure(k8s_cluster, namespace, local_queue, operator):
+    """A job of a higher priority (its pods' PriorityClass, which Kueue reads) preempts the admitted
+    one: Kueue evicts its Workload and suspends its RayJob; the preempted job is Pending with the
+    eviction in its Admitted condition, neither failed nor restarted, until the quota is free."""
+    high_class = f"high-{namespace}"
+    k8s_cluster.kubectl("create", "priorityclass", high_class, "--value=1000")
+    try:
+        apply(k8s_cluster, example("low", scheduling={"queueName": QUEUE}, backoffLimit=0), "-n", namespace)
+        wait_for("the low job admitted", lambda: admitted(k8s_cluster, namespace, "low"), k8s_cluster, timeout=90)
+        apply(k8s_cluster, example("high", scheduling={"queueName": QUEUE, "priorityClassName": high_class}),
+              "-n", namespace)
+
+        def evicted():
+            s = job_status(k8s_cluster, namespace, "low")
+            return conditions(s).get("Admitted", {}).get("reason", "").startswith("Evicted") and s
+
+        status = wait_for("the low job evicted by Kueue", evicted, k8s_cluster, timeout=90)
+        assert status["phase"] == "Pending", status
+        assert "newest checkpoint" in conditions(status)["Admitted"]["message"]
+        assert conditions(status)["Failed"]["status"] == "False" and status.get("restarts", 0) == 0
+        wait_for("the high job admitted", lambda: admitted(k8s_cluster, namespace, "high"), k8s_cluster, timeout=90)
+        low = get(k8s_cluster, "rayjob", "low", "-n", namespace)
+        assert low["spec"]["suspend"] is True
+    finally:
+        k8s_cluster.kubectl("delete", "priorityclass", high_class, "--wait=false", check=False)
