@@ -98,7 +98,15 @@ class Controller:
         cluster_name = ((current or {}).get("status") or {}).get("rayClusterName")
         cluster = clusters.get(cluster_name) if cluster_name else None
         pods = [p for p in pods if cluster_name and p["metadata"].get("labels", {}).get("ray.io/cluster") == cluster_name]
-        return o.Observed(ray_jobs=ray_jobs, config_map=config_map, ray_cluster=cluster, pods=pods, usages=usages)
+        workload = None
+        if current is not None and job.spec.scheduling.queue_name:
+            owner = (job.metadata.namespace, current["metadata"]["name"])
+            # By the RayJob's uid too: a lingering Workload of a deleted RayJob of the same name (the job
+            # deleted and made again) is not this one's.
+            workload = next((w for w in self.indices["workloads_by_ray_job"].get(owner, [])
+                             if w["owner_uid"] == current["metadata"].get("uid")), None)
+        return o.Observed(ray_jobs=ray_jobs, config_map=config_map, ray_cluster=cluster, pods=pods, usages=usages,
+                          workload=workload)
 
     async def _reconcile_key(self, key: Key) -> float | None:
         """``WorkQueue``'s reconcile: the job's newest copy, reconciled in a worker thread."""
@@ -160,6 +168,9 @@ class Controller:
         if plan.suspend is not None:
             ray_job, suspend = plan.suspend
             self.kube.merge_patch("RayJob", ns, ray_job, {"spec": {"suspend": suspend}})
+        if plan.workload_active is not None:
+            workload, active = plan.workload_active
+            self.kube.merge_patch("Workload", ns, workload, {"spec": {"active": active}})
         for ray_job in plan.delete_ray_jobs:
             self.kube.delete("RayJob", ns, ray_job)
         if any(e.reason == "Restarting" for e in events):
@@ -219,6 +230,17 @@ def register(registry: kopf.OperatorRegistry) -> None:
         return {(namespace, labels[JOB_LABEL]): {"metadata": _slim_meta(meta), "spec": {"workerGroupSpecs": groups},
                                                  "status": {"state": status.get("state")}}}
 
+    # Kueue's Workloads carry none of the job's labels: they are found by their owner, the RayJob.
+    # Without Kueue's CRD kopf has nothing to watch, and the index stays empty.
+    @kopf.index("kueue.x-k8s.io", "v1beta2", "workloads", id="workloads_by_ray_job", registry=registry)
+    def workloads_by_ray_job(namespace, meta, spec, status, **_):
+        owners = [ref for ref in meta.get("ownerReferences") or []
+                  if ref.get("kind") == "RayJob" and ref.get("apiVersion", "").startswith("ray.io/") and ref.get("controller")]
+        return {(namespace, ref["name"]): {"metadata": {"name": meta["name"]}, "owner_uid": ref.get("uid"),
+                                           "spec": {"active": spec.get("active", True)},
+                                           "status": {"conditions": _plain(status.get("conditions") or [])}}
+                for ref in owners}
+
     @kopf.index("v1", "configmaps", id="config_maps_by_job", **owned)
     def config_maps_by_job(namespace, labels, meta, body, **_):
         return {(namespace, labels[JOB_LABEL]): {"metadata": _slim_meta(meta), "data": _plain(body.get("data", {}))}}
@@ -236,7 +258,8 @@ def register(registry: kopf.OperatorRegistry) -> None:
             # kopf hands its live indices to handlers only; the resync loop and the requeue timers
             # keep the same objects.
             controller.indices = {k: kwargs[k] for k in ("jobs_by_key", "ray_jobs_by_job", "ray_clusters_by_job",
-                                                         "config_maps_by_job", "pods_by_job")}
+                                                         "config_maps_by_job", "pods_by_job",
+                                                         "workloads_by_ray_job")}
         controller.queue.adopt_context()
         return controller
 
@@ -249,6 +272,15 @@ def register(registry: kopf.OperatorRegistry) -> None:
         if controller.queue.state.is_echo((namespace, name), body):
             return
         await controller.queue.trigger((namespace, name))
+
+    @kopf.on.event("kueue.x-k8s.io", "v1beta2", "workloads", id="workloads_changed", registry=registry)
+    async def workload_changed(namespace, meta, memo, **kwargs):
+        # Admitted, or why not: the job owning the Workload's RayJob reconciles (its condition).
+        controller = _capture(memo, kwargs)
+        owners = {ref["name"] for ref in meta.get("ownerReferences") or [] if ref.get("kind") == "RayJob"}
+        for (ns, job), ray_jobs in list(controller.indices["ray_jobs_by_job"].items()):
+            if ns == namespace and any(rj["metadata"]["name"] in owners for rj in ray_jobs):
+                await controller.queue.trigger((ns, job))
 
     for group_version_plural in (("ray.io", "v1", "rayjobs"), ("ray.io", "v1", "rayclusters"), ("v1", "pods")):
         @kopf.on.event(*group_version_plural, id=f"{group_version_plural[-1]}_changed", **owned)

@@ -28,6 +28,8 @@ _RESOURCES = {
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "RayJob": ("/apis/ray.io/v1", "rayjobs"),
     "RayCluster": ("/apis/ray.io/v1", "rayclusters"),
+    # A job with a Kueue queue is suspended and resumed through its Workload's spec.active.
+    "Workload": ("/apis/kueue.x-k8s.io/v1beta2", "workloads"),
     t.KIND: (f"/apis/{t.API_VERSION}", t.PLURAL),
 }
 APPLY = "application/apply-patch+yaml"

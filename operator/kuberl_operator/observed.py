@@ -35,6 +35,8 @@ class Observed:
     pods: list[dict[str, Any]] = field(default_factory=list)
     # ``cost.pod_usage`` of every pod with the job's label, of every attempt (the accounting's input).
     usages: list[dict[str, Any]] = field(default_factory=list)
+    # The Kueue Workload of the current attempt's RayJob (spec.scheduling.queueName), once Kueue made it.
+    workload: dict[str, Any] | None = None
 
 
 def attempt_of(ray_job: dict[str, Any]) -> int:
@@ -105,3 +107,45 @@ def parse_time(value: str | None) -> datetime | None:
 
 def format_time(value: datetime) -> str:
     return value.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# Kueue's Workload conditions (kueue.x-k8s.io/v1beta2): quota reserved in a ClusterQueue, then
+# admitted (every admission check passed), or evicted (preempted, deactivated...) since.
+WORKLOAD_QUOTA_RESERVED = "QuotaReserved"
+WORKLOAD_ADMITTED = "Admitted"
+WORKLOAD_EVICTED = "Evicted"
+
+
+def _workload_condition(workload: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
+    return next((c for c in ((workload or {}).get("status") or {}).get("conditions") or [] if c.get("type") == type_),
+                None)
+
+
+def workload_active(workload: dict[str, Any] | None) -> bool:
+    """Kueue's spec.active (absent means active): false once deactivated, which evicts the job."""
+    return ((workload or {}).get("spec") or {}).get("active", True) is not False
+
+
+def queue_state(queue: str, workload: dict[str, Any] | None) -> tuple[bool, str, str]:
+    """(admitted, reason, message) of a job in Kueue LocalQueue ``queue``, from its Workload's
+    conditions: what it waits for in Kueue's own words (e.g. "insufficient unused quota for
+    nvidia.com/gpu in flavor gpu, 1 more needed")."""
+    if workload is None:
+        return False, "NoWorkload", (f"waiting for Kueue to create the Workload in LocalQueue {queue} (is Kueue "
+                                     f"running with its RayJob integration, and does the LocalQueue exist?)")
+    name = workload["metadata"]["name"]
+    admitted = _workload_condition(workload, WORKLOAD_ADMITTED)
+    if admitted is not None and admitted.get("status") == "True":
+        return True, "Admitted", f"admitted by Kueue from LocalQueue {queue} (Workload {name})"
+    evicted = _workload_condition(workload, WORKLOAD_EVICTED)
+    if evicted is not None and evicted.get("status") == "True":
+        return False, f"Evicted{evicted.get('reason', '')}", (
+            f"evicted by Kueue from LocalQueue {queue} (Workload {name}): {evicted.get('message', '')}; it resumes "
+            f"from its newest checkpoint when admitted again")
+    reserved = _workload_condition(workload, WORKLOAD_QUOTA_RESERVED)
+    if reserved is not None and reserved.get("status") == "True":
+        return False, "AdmissionChecks", (f"quota reserved in LocalQueue {queue} (Workload {name}); waiting for "
+                                          f"its admission checks: {admitted.get('message', '') if admitted else ''}")
+    why = (reserved or {}).get("message") or "not considered by Kueue yet"
+    return False, (reserved or {}).get("reason") or "Queued", f"queued in LocalQueue {queue} (Workload {name}): {why}"
+

@@ -83,6 +83,8 @@ class Plan:
     events: list[Event] = field(default_factory=list)
     # (RayCluster name, JSON patch) resizing its rollout worker group.
     scale_cluster: tuple[str, list[dict[str, Any]]] | None = None
+    # (Kueue Workload name, spec.active): how a job with a queue is suspended and resumed.
+    workload_active: tuple[str, bool] | None = None
 
 
 def current_attempt(job: t.RLTrainingJob, observed: o.Observed) -> int:
@@ -231,12 +233,14 @@ def desired_objects(job: t.RLTrainingJob, observed: o.Observed, attempt: int | N
     A restart resumes from the newest complete checkpoint under spec.checkpoint.uri, decided by
     the spec alone (``kuberl.job.plan.resume``): status.lastCheckpoint is the workload's to write and
     never steers what the next attempt mounts or restores. The RayJob is created suspended when
-    the job is.
+    the job is, and when it has a Kueue queue: Kueue admits it by unsuspending it (as Kueue's own
+    webhook would suspend it; created suspended, no Ray cluster starts before admission even
+    where that webhook is missing).
     """
     if attempt is None:
         attempt = current_attempt(job, observed)
     objects = render(effective or effective_job(job, observed), attempt=attempt, plan=plan)
-    if job.spec.suspend:
+    if job.spec.suspend or job.spec.scheduling.queue_name:
         objects[-1]["spec"]["suspend"] = True
     return objects
 
@@ -357,6 +361,8 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
     status_attempt = attempt
     suspend = None
     suspend_wait = None
+    workload_active = None
+    queue = job.spec.scheduling.queue_name
     # Built once per reconcile, and only when needed: the spec in effect, and the run plans of the
     # attempt the status describes (the ConfigMap's, else the spec's) and of the attempt to create.
     effective = functools.cache(lambda: effective_job(job, observed))
@@ -385,6 +391,20 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
                                     f"RayJob {name} failed: {o.failure_reason(observed.ray_jobs[name])}; "
                                     f"starting {ray_job_name(job.metadata.name, status_attempt)} "
                                     f"(restart {status_attempt} of {job.spec.backoff_limit}) from the last checkpoint"))
+    elif queue and not o.failed(ray_job) and not o.succeeded(ray_job):
+        # Kueue owns the RayJob's suspend flag (it would undo ours): a suspend deactivates the
+        # Workload, after the driver's checkpoint as without a queue, and a resume activates it.
+        workload = observed.workload
+        if workload is not None and o.workload_active(workload) == job.spec.suspend:
+            suspend_wait = checkpoint_before_suspend(job, ray_job, now, settings) \
+                if job.spec.suspend and not (ray_job.get("spec") or {}).get("suspend") else None
+            if suspend_wait:
+                requeue = settings.suspend_poll_seconds
+            else:
+                workload_active = (workload["metadata"]["name"], not job.spec.suspend)
+                events.append(Event("Normal", "Suspending" if job.spec.suspend else "Resuming",
+                                    f"setting spec.active={str(not job.spec.suspend).lower()} on Kueue "
+                                    f"Workload {workload['metadata']['name']}"))
     elif bool((ray_job.get("spec") or {}).get("suspend")) != job.spec.suspend and not o.failed(ray_job) \
             and not o.succeeded(ray_job):
         suspend_wait = checkpoint_before_suspend(job, ray_job, now, settings) if job.spec.suspend else None
@@ -430,14 +450,15 @@ def next_action(job: t.RLTrainingJob, observed: o.Observed, now: datetime, setti
     status = compute_status(job, in_effect or plans.for_cluster(effective(), attempt), ray_job, cluster, pods, now,
                             attempt=status_attempt, refused=refused,
                             restart_in=restart_in, suspend_wait=suspend_wait,
-                            scale_down_wait=scale_down[:2] if scale_down else None)
+                            scale_down_wait=scale_down[:2] if scale_down else None,
+                            queue=o.queue_state(queue, observed.workload) if queue and ray_job is not None else None)
     recovered, posted = recovery_events(job.status)
     events += recovered
     if posted:
         status["recoveryEvents"] = posted
     status = with_cost(status, job, observed, now, settings)
     plan = Plan(status=status, apply=plan_apply, suspend=suspend, delete_ray_jobs=delete, events=events,
-                requeue_after=requeue, scale_cluster=scale_cluster)
+                requeue_after=requeue, scale_cluster=scale_cluster, workload_active=workload_active)
     if status.get("phase") != old_phase:
         plan.events.append(Event("Warning" if status["phase"] == "Failed" else "Normal", status["phase"],
                                  status.get("message", "")))

@@ -27,8 +27,10 @@ FAILED = "Failed"
 SUSPENDED = "Suspended"
 SPEC_CHANGE_REFUSED = "SpecChangeRefused"
 ROLLOUT_SCALED = "RolloutScaled"
+# Jobs with spec.scheduling.queueName only: whether Kueue admitted the current attempt, or what it waits for.
+ADMITTED = "Admitted"
 CONDITION_TYPES = (STAGED, CLUSTER_READY, RUNNING, CHECKPOINTED, SUCCEEDED, FAILED, SUSPENDED, SPEC_CHANGE_REFUSED,
-                   ROLLOUT_SCALED)
+                   ROLLOUT_SCALED, ADMITTED)
 
 FINISHED_PHASES = ("Succeeded", "Failed")
 # Fields of status the operator owns (camelCase, as on the wire).
@@ -147,7 +149,8 @@ def current_workload_error(job: t.RLTrainingJob, attempt: int) -> t.WorkloadErro
 def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] | None,
                    ray_cluster: dict[str, Any] | None, pods: list[dict[str, Any]], now: datetime, *, attempt: int = 0,
                    refused: list[str] = (), restart_in: float | None = None,
-                   suspend_wait: str | None = None, scale_down_wait: tuple[str, str] | None = None) -> dict[str, Any]:
+                   suspend_wait: str | None = None, scale_down_wait: tuple[str, str] | None = None,
+                   queue: tuple[bool, str, str] | None = None) -> dict[str, Any]:
     """The operator's part of ``job.status`` (a merge patch), from the current attempt's RayJob,
     its RayCluster and pods.
 
@@ -156,7 +159,8 @@ def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] 
     attempt waits for its backoff before the next one is created; ``suspend_wait`` says what a
     suspend waits for before the cluster goes (the driver's checkpoint); ``scale_down_wait`` is the
     (reason, message) of a scale-down of the rollout group waiting for the driver
-    (``kuberl_operator.reconcile.scale_down_wait``).
+    (``kuberl_operator.reconcile.scale_down_wait``); ``queue`` is Kueue's word on the attempt
+    (``observed.queue_state``) for a job with a queue: not admitted, the job is Pending, not failed.
     """
     spec = job.spec
     current = job.status or t.RLTrainingJobStatus()
@@ -210,6 +214,9 @@ def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] 
         conditions.append(_condition(SUSPENDED, True, reason, message))
     elif ray_job is None:
         phase, message = "Pending", f"creating RayJob {ray_job_name(job.metadata.name, attempt)}"
+    elif queue is not None and not queue[0]:
+        # Kueue holds the RayJob suspended (queued, or evicted: preempted); it resumes when admitted.
+        phase, message = "Pending", queue[2]
     elif init_failure:
         phase, message = "Staging", init_failure
         conditions.append(_condition(STAGED, False, "StageFailed", init_failure))
@@ -258,6 +265,8 @@ def compute_status(job: t.RLTrainingJob, plan: RunPlan, ray_job: dict[str, Any] 
         conditions.append(_condition(FAILED, False, phase, "the job has not failed"))
     if SUSPENDED not in types:
         conditions.append(_condition(SUSPENDED, False, "NotSuspended", "spec.suspend is false"))
+    if queue is not None:
+        conditions.append(_condition(ADMITTED, queue[0], queue[1], queue[2]))
     if refused:
         fields = ", ".join(f"spec.{f}" for f in refused)
         conditions.append(_condition(SPEC_CHANGE_REFUSED, True, "ImmutableWhileRunning",

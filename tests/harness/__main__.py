@@ -1,6 +1,7 @@
 """`python -m tests.harness build|images|up|down`: the test control plane by hand.
 
-build   build every missing component into ~/.cache/kuberl/bin (idempotent)
+build   build every missing component of the control plane into ~/.cache/kuberl/bin (idempotent);
+        `build kueue` builds the optional Kueue (fixture `kueue`)
 images  build the images of images/Dockerfile (and the local base, the pause image) with podman (cached)
 up      start a cluster in the foreground; prints `export KUBECONFIG=...`;
         Ctrl-C (or `down` from another shell) stops it.

@@ -25,6 +25,9 @@ KUBERNETES_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
 KUBERAY_VERSION = "v1.6.2"
 KWOK_VERSION = "v0.8.0"
+# Kueue 0.17.0: built against KubeRay v1.6.0's RayJob API and client-go 0.35 (one minor behind the
+# API server, inside client-go's skew). It is the only version the Go module proxy lists here.
+KUEUE_VERSION = "v0.17.0"
 HELM_VERSION = "v3.22.0"
 COREDNS_VERSION = "v1.15.0"
 # Prometheus 3.16.0: its Go module numbers 3.x releases v0.3xx.y. Debian's package is built without
@@ -90,6 +93,8 @@ class Component:
     main_go: str | None = None
     # Go build tags.
     tags: tuple[str, ...] = ()
+    # Built only when asked for by name (a fixture few tests use), not with the control plane.
+    optional: bool = False
 
     @property
     def binary_name(self) -> str:
@@ -174,6 +179,27 @@ COMPONENTS: dict[str, Component] = {
             ),
         ),
         Component(
+            name="kueue",
+            module="sigs.k8s.io/kueue",
+            version=KUEUE_VERSION,
+            package="sigs.k8s.io/kueue/cmd/kueue",
+            group=f"kueue-{KUEUE_VERSION}",
+            # Its cold build is the longest of all (every Kueue integration's API module): only
+            # the tests of fixture `kueue` pay for it.
+            optional=True,
+            # Its CRDs and its webhook configurations (rewritten by the harness to call the
+            # webhook server on loopback), from the module it is built from.
+            data_files=tuple(
+                f"config/components/crd/bases/kueue.x-k8s.io_{kind}.yaml"
+                for kind in (
+                    "admissionchecks", "clusterqueues", "cohorts", "localqueues", "multikueueclusters",
+                    "multikueueconfigs", "provisioningrequestconfigs", "resourceflavors", "topologies",
+                    "workloadpriorityclasses", "workloads",
+                )
+            )
+            + ("config/components/webhook/manifests.yaml",),
+        ),
+        Component(
             name="prometheus",
             module="github.com/prometheus/prometheus",
             version=PROMETHEUS_VERSION,
@@ -199,6 +225,10 @@ COMPONENTS: dict[str, Component] = {
         ),
     ]
 }
+
+
+# What the control plane needs: every component but the optional ones.
+REQUIRED = [name for name, component in COMPONENTS.items() if not component.optional]
 
 
 def cache_dir() -> Path:

@@ -37,7 +37,7 @@ import yaml
 
 from kuberl.common.ports import unclaimed_port
 
-from tests.harness import images, pki
+from tests.harness import images, kueue, pki
 from tests.harness import nodes as realnodes
 from tests.harness.build import missing_components
 from tests.harness.components import binary_path, cache_dir, data_path
@@ -259,6 +259,7 @@ class Cluster:
             "scheduler": ("system:kube-scheduler", ()),
             "kwok": ("kwok-controller", ("system:masters",)),
             "kuberay-operator": ("kuberay-operator", ("system:masters",)),
+            "kueue": ("kueue-controller-manager", ("system:masters",)),
         }
         if self.real_nodes:
             identities.update({
@@ -435,6 +436,72 @@ class Cluster:
             ],
             env=env,
         )
+
+    def start_kueue(self) -> None:
+        """Start Kueue (tests/harness/kueue.py) against this control plane, once: its CRDs, its
+        webhooks on loopback, then the process, ready when its webhook server is up."""
+        if any(p.name == "kueue" for p in self.processes):
+            return
+        if missing_components(["kueue"]):
+            raise ClusterError("Kueue is not built: run `python -m tests.harness build kueue` first")
+        for name in ("kueue-webhook", "kueue-health", "kueue-metrics"):
+            self.ports[name] = unclaimed_port()
+        ca_pem = self.ca.pair.cert.read_bytes()
+        docs = kueue.manifests()
+        crds = kueue.crds(docs, self.ports["kueue-webhook"], ca_pem)
+        for crd in crds:
+            self._api_create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
+        self._api_create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                                "metadata": {"name": kueue.NAMESPACE}})
+        cert_dir = self.pki_dir / "kueue-webhook"
+        cert_dir.mkdir(exist_ok=True)
+        serving = self.ca.issue("kueue-webhook", "kueue-webhook", ip_addresses=("127.0.0.1",), server=True)
+        shutil.copy(serving.cert, cert_dir / "tls.crt")
+        shutil.copy(serving.key, cert_dir / "tls.key")
+        self._kueue_metrics_certs(serving)
+        config = self.workdir / "kueue-config.yaml"
+        config.write_text(yaml.safe_dump(kueue.configuration(
+            self.ports["kueue-webhook"], cert_dir, self.ports["kueue-health"], self.ports["kueue-metrics"])))
+        # Served, not only Established: Kueue sets up its indexes at start and exits on a kind that
+        # discovery does not list yet.
+        for crd in crds:
+            group, plural = crd["spec"]["group"], crd["spec"]["names"]["plural"]
+            version = next(v["name"] for v in crd["spec"]["versions"] if v.get("storage"))
+            _wait(f"{plural}.{group}/{version} served", lambda: self._api_ok(f"/apis/{group}/{version}/{plural}"), 90,
+                  self.processes)
+        process = self._spawn("kueue", [str(binary_path("kueue")), f"--config={config}", "--zap-log-level=info"],
+                              env=dict(os.environ, KUBECONFIG=str(self.kubeconfigs["kueue"])))
+        if self.network:  # real nodes: Kueue is in the cluster's network namespace; its probe is forwarded
+            self._spawn("forward-kueue", [sys.executable, str(Path(__file__).with_name("forward.py")),
+                                          self.network.path, str(self.ports["kueue-health"])], host=True)
+        probe = f"http://127.0.0.1:{self.ports['kueue-health']}"
+        _wait("Kueue /readyz (its webhook server)", lambda: _http_ok(f"{probe}/readyz"), 90, [process])
+        # The webhooks go in once Kueue answers: before that, RayJob creations would fail on them.
+        for webhook in kueue.webhook_configurations(docs, self.ports["kueue-webhook"], ca_pem):
+            kind = webhook["kind"].lower() + "s"
+            self._api_create(f"/apis/admissionregistration.k8s.io/v1/{kind}", webhook)
+
+    @staticmethod
+    def _kueue_metrics_certs(pair: pki.KeyPair) -> None:
+        """Kueue's fixed metrics certificate path (kueue.METRICS_CERT_DIR), written once and
+        atomically (a directory renamed into place): other sessions may start Kueue too."""
+        target = kueue.METRICS_CERT_DIR
+        if (target / "tls.crt").exists() and (target / "tls.key").exists():
+            return
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=".certs-", dir=target.parent))
+            shutil.copy(pair.cert, staging / "tls.crt")
+            shutil.copy(pair.key, staging / "tls.key")
+            staging.chmod(0o755)
+            try:
+                staging.rename(target)
+            except OSError:  # another session put it there first
+                shutil.rmtree(staging, ignore_errors=True)
+        except PermissionError as err:
+            raise ClusterError(f"Kueue needs a certificate at {target} (fixed in Kueue 0.17 when its own "
+                               f"certificate management is off) and it cannot be written: {err}; create "
+                               f"{target}/tls.crt and tls.key once as root (any key pair)") from err
 
     def _wait_ready(self) -> None:
         watch = list(self.processes)

@@ -54,6 +54,18 @@ def k8s_cluster():
 
 
 @pytest.fixture(scope="session")
+def kueue(k8s_cluster):
+    """Kueue (its RayJob integration; tests/harness/kueue.py) on the session's control plane,
+    started by the first test that asks for it and stopped with the cluster."""
+    try:
+        build(["kueue"])
+    except GoToolchainError as err:
+        pytest.skip(f"Kueue unavailable: {err}")
+    k8s_cluster.start_kueue()
+    return k8s_cluster
+
+
+@pytest.fixture(scope="session")
 def real_cluster():
     """A cluster whose nodes are real: pods run in containers (images: `real_cluster.load_images`)."""
     if os.geteuid() != 0:

@@ -45,6 +45,11 @@ app.kubernetes.io/component: operator
 - apiGroups: [ray.io]
   resources: [rayclusters]
   verbs: [get, list, watch, patch]
+# Kueue (spec.scheduling.queueName): its Workload says whether the job is admitted or what it
+# waits for; a suspend/resume sets the Workload's spec.active. Harmless where Kueue is absent.
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads]
+  verbs: [get, list, watch, patch]
 # Pods are read for init-container (staging) failures and readiness.
 - apiGroups: [""]
   resources: [pods]

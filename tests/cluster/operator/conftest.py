@@ -31,7 +31,10 @@ OPERATOR_ACCOUNT = f"{RELEASE}-kuberl-operator"
 @pytest.fixture(scope="session")
 def kuberl_crd(k8s_cluster):
     k8s_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    k8s_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/rltrainingjobs.kuberl.dev")
+    # Not `kubectl wait`: under load it reads the new CRD before its status has conditions and fails
+    # (".status.conditions accessor error: <nil>") instead of waiting.
+    wait_for("CRD rltrainingjobs.kuberl.dev Established", lambda: k8s_cluster.crd_established("rltrainingjobs.kuberl.dev"),
+             k8s_cluster)
     k8s_cluster.kubectl("create", "namespace", OPERATOR_NAMESPACE, check=False)
 
 

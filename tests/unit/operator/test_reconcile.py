@@ -149,6 +149,78 @@ def test_suspend_waits_for_the_drivers_checkpoint_of_its_last_step_then_takes_th
     assert plan.suspend == ("tiny", True)
 
 
+def _workload(active: bool = True, **conditions: tuple[str, str, str]) -> dict:
+    """A Kueue Workload as the operator's index keeps it: conditions type -> (status, reason, message)."""
+    return {"metadata": {"name": "rayjob-tiny-1a2b3"}, "spec": {"active": active},
+            "status": {"conditions": [{"type": k, "status": s, "reason": r, "message": m}
+                                      for k, (s, r, m) in conditions.items()]}}
+
+
+QUEUED = {"QuotaReserved": ("False", "Pending", "couldn't assign flavors to pod set head: insufficient unused quota "
+                                                "for nvidia.com/gpu in flavor gpu, 1 more needed")}
+ADMITTED = {"QuotaReserved": ("True", "QuotaReserved", "Quota reserved in ClusterQueue team"),
+            "Admitted": ("True", "Admitted", "The workload is admitted")}
+
+
+def test_a_queued_job_is_created_suspended_waits_pending_and_kueue_owns_its_suspend_flag():
+    """spec.scheduling.queueName: the RayJob is created suspended; while Kueue holds it the job is
+    Pending (not failed) with an Admitted=False condition in Kueue's words, and the operator never
+    unsuspends it (Kueue admits by unsuspending); admitted, it runs as any job."""
+    queued_job = job(scheduling={"queueName": "team"})
+    created = next_action(queued_job, observed(), NOW, SETTINGS)
+    assert created.apply[-1]["spec"]["suspend"] is True
+    assert created.apply[-1]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team"
+
+    held = ray_job("tiny", deployment="Suspended", suspend=True)
+    plan = next_action(queued_job, observed(held, workload=_workload(**QUEUED)), NOW, SETTINGS)
+    assert plan.suspend is None and plan.workload_active is None
+    assert plan.status["phase"] == "Pending"
+    admitted = {c["type"]: c for c in plan.status["conditions"]}["Admitted"]
+    assert admitted["status"] == "False" and admitted["reason"] == "Pending"
+    assert "LocalQueue team" in admitted["message"] and "1 more needed" in admitted["message"]
+    # Before Kueue made its Workload the condition says what to check.
+    none_yet = next_action(queued_job, observed(held), NOW, SETTINGS)
+    assert {c["type"]: c for c in none_yet.status["conditions"]}["Admitted"]["reason"] == "NoWorkload"
+
+    running = next_action(queued_job, observed(ray_job("tiny", deployment="Running"), workload=_workload(**ADMITTED)),
+                          NOW, SETTINGS)
+    assert running.status["phase"] == "Running" and running.suspend is None
+    assert {c["type"]: c for c in running.status["conditions"]}["Admitted"]["status"] == "True"
+
+
+def test_kueue_eviction_is_a_suspension_not_a_failure():
+    """Preempted by Kueue: the RayJob is suspended by Kueue (KubeRay deletes the cluster); the job
+    is Pending until admitted again, when it resumes from its newest checkpoint; no restart is spent."""
+    evicted = _workload(**ADMITTED, Evicted=("True", "Preempted", "Preempted to accommodate a workload (UID: x)"))
+    evicted["status"]["conditions"][1]["status"] = "False"
+    plan = next_action(job(scheduling={"queueName": "team"}, status=CHECKPOINT),
+                       observed(ray_job("tiny", deployment="Suspending", suspend=True), workload=evicted), NOW, SETTINGS)
+    assert plan.status["phase"] == "Pending" and plan.suspend is None and plan.apply == []
+    admitted = {c["type"]: c for c in plan.status["conditions"]}["Admitted"]
+    assert admitted["reason"] == "EvictedPreempted" and "newest checkpoint" in admitted["message"]
+    assert plan.status.get("restarts", 0) == 0
+
+
+def test_suspend_and_resume_of_a_queued_job_go_through_the_workload():
+    """Kueue would unsuspend a RayJob whose Workload is admitted: with a queue, spec.suspend
+    deactivates the Workload (after the driver's checkpoint, as without a queue) and a resume
+    activates it again."""
+    held = {"progress": {"step": 13, "totalSteps": 20, "heldForSuspend": True},
+            "lastCheckpoint": {**CHECKPOINT["lastCheckpoint"], "step": 13}}
+    running = ray_job("tiny", deployment="Running")
+    waiting = next_action(job(suspend=True, scheduling={"queueName": "team"}, checkpoint={"uri": ROOT},
+                              status={"progress": {"step": 13, "totalSteps": 20}}),
+                          observed(running, workload=_workload(**ADMITTED)), NOW, SETTINGS)
+    assert waiting.workload_active is None and waiting.suspend is None
+    suspend = next_action(job(suspend=True, scheduling={"queueName": "team"}, checkpoint={"uri": ROOT}, status=held),
+                          observed(running, workload=_workload(**ADMITTED)), NOW, SETTINGS)
+    assert suspend.workload_active == ("rayjob-tiny-1a2b3", False) and suspend.suspend is None
+    resume = next_action(job(scheduling={"queueName": "team"}),
+                         observed(ray_job("tiny", deployment="Suspended", suspend=True),
+                                  workload=_workload(active=False, **QUEUED)), NOW, SETTINGS)
+    assert resume.workload_active == ("rayjob-tiny-1a2b3", True) and resume.suspend is None
+
+
 def test_suspended_failed_job_is_not_restarted():
     failed = ray_job("tiny", deployment="Failed", endTime="2026-01-01T11:00:00Z")
     plan = next_action(job(suspend=True), observed(failed), NOW, SETTINGS)

@@ -739,7 +739,8 @@ class SchedulingSpec(APIModel):
                                           description="Tolerations for every pod.")
     priority_class_name: str | None = Field(None, max_length=253, description="PriorityClass for every pod.")
     queue_name: str | None = Field(None, max_length=MAX_LABEL_VALUE,
-                                   description="Kueue LocalQueue; sets kueue.x-k8s.io/queue-name on the RayJob.")
+                                   description="Kueue LocalQueue: the RayJob is created suspended with kueue.x-k8s.io/queue-name "
+                                               "and runs once Kueue admits it (condition Admitted).")
     termination_grace_period_seconds: int = Field(
         120, ge=10, le=3600,
         description="The grace period of the head and trainer pods: on a deletion, drain or spot notice their "
