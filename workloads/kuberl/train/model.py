@@ -167,8 +167,10 @@ def _shard_experts(experts: GroupedExperts, expert_mesh: DeviceMesh, world_size:
     placement = (lambda _param: Shard(1)) if dp_mesh.size() > local else None
     fully_shard(experts, mesh=dp_mesh, shard_placement_fn=placement, **fsdp)
     experts.set_gradient_divide_factor(float(world_size))
-    if dp_mesh.device_type == "cpu":
+    if dp_mesh.device_type == "cpu" and dp_mesh.size() > 1:
         # gloo has no PREMUL_SUM (FSDP2's reduce-scatter with a divide factor): sum, then divide.
+        # Not on a one-rank dp_shard (EP = world): there FSDP2 skips the reduce-scatter and divides
+        # by the factor itself, and with forced sums would divide a second time (torch 2.13).
         experts.set_force_sum_reduction_for_comms(True)
 
 
