@@ -1,6 +1,14 @@
 """Expert parallelism beside FSDP2 (spec.trainer.parallelism.expert), on real gloo ranks in spawned
 processes and a tiny Qwen3-MoE (8 experts, top-2), CPU, through the trainer's own step
-(TrainerWorker.train_step): 4 ranks at EP 2 x DP 2 against one process on the same batch."""
+(TrainerWorker.train_step): 4 ranks at EP 2 x DP 2 against one process on the same batch, and a
+checkpoint saved at EP 2 restored at EP 1, 4 and 2.
+
+Tolerances: both sides compute in fp32 and differ only in summation order (per-rank micro-batches
+and FSDP2's reduce-scatter, the all-to-all's regrouped expert rows, against one process's
+accumulation), i.e. a few fp32 ulps (~1e-7 relative) per reduction; AdamW's first update moves
+each weight by about lr * g / |g|, so the weights and moments agree to rtol 1e-4 / atol 1e-6 (the
+loss and grad norm to 1e-5). A gradient off by a factor (e.g. expert gradients divided by the
+wrong degree) moves the grad norm by percent and the moments by that factor."""
 
 from __future__ import annotations
 
@@ -46,6 +54,8 @@ def _full_state(worker) -> dict[str, torch.Tensor]:
 
 
 def _phase(rank: int, world: int, ep: int, port: int, model_path: str, out: str) -> None:
+    from kuberl.sync.buckets import plan_buckets
+    from kuberl.sync.params import iter_buckets, param_metas
     from kuberl.train.model import ModelOptions
     from kuberl.train.worker import TrainerConfig, TrainerWorker
 
@@ -58,8 +68,14 @@ def _phase(rank: int, world: int, ep: int, port: int, model_path: str, out: str)
               if hasattr(experts, "to_local") else None)
     metrics = worker.train_step(_batch())
     full = _full_state(worker)
+    # What a weight sync sends the engines (kuberl.sync.params): full tensors gathered bucket by
+    # bucket, small buckets so the experts' gathers interleave with the dense ones.
+    buckets = plan_buckets(param_metas(worker.model, torch.float32), bucket_bytes=16 << 10)
+    synced = {meta.name: t for bucket, tensors in iter_buckets(worker.model, buckets, torch.device("cpu"))
+              for meta, t in zip(bucket.metas, tensors)}
     if rank == 0:
-        torch.save({"metrics": metrics, "state": full, "layout": layout}, out)
+        torch.save({"metrics": metrics, "state": full, "layout": layout, "synced": synced,
+                    "buckets": len(buckets)}, out)
     worker.shutdown()
 
 
@@ -91,12 +107,15 @@ def test_ep2_dp2_matches_one_process(tmp_path):
     # dp_shard: 2 each at rest.
     names, placements, local = ep2["layout"]
     assert (names, placements[1], local) == (("dp_shard", "ep"), Shard(0), 2)
-    print(one["metrics"], ep2["metrics"])
     for key in ("loss", "pg_loss", "grad_norm", "tokens"):
         assert ep2["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=1e-7), key
     assert ep2["state"].keys() == one["state"].keys()
     for key, value in one["state"].items():
         torch.testing.assert_close(ep2["state"][key], value, rtol=1e-4, atol=1e-6, msg=key)
+    # A weight sync from the EP trainer gathers the same weights the one process sends.
+    assert ep2["buckets"] > 1 and ep2["synced"].keys() == one["synced"].keys()
+    for name, value in one["synced"].items():
+        torch.testing.assert_close(ep2["synced"][name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def _worker(rank: int, ep: int, port: int, model_path: str):
