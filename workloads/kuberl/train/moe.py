@@ -19,6 +19,10 @@ Python loop over *all* experts (zero-row matmuls for empty ones), for platforms 
 but its per-expert row counts follow the routing, so a recompute that routes differently still
 fails it (tests/engine/train/test_moe_failure.py shows the grouped path surviving that).
 
+With expert parallelism (spec.trainer.parallelism.expert) the weights are DTensors sharded on the
+expert dimension, and the rows travel to their experts' ranks and back by all-to-all
+(``_expert_parallel``); that path reads the split sizes on the host once per layer.
+
 The swap replaces the ``experts`` submodule of our own model instance; no library module is patched.
 """
 
