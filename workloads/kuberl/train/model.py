@@ -147,6 +147,21 @@ def is_sharded(mesh: DeviceMesh, options: ModelOptions) -> bool:
     return mesh.size() > 1 or options.shard_single_rank or options.cpu_offload
 
 
+def check_expert_parallel(config, options: ModelOptions, expert_parallel: int) -> None:
+    """The part of spec.trainer.parallelism.expert only the model's config can judge (the API
+    server checked that it divides the trainer's processes)."""
+    if expert_parallel == 1:
+        return
+    field = f"spec.trainer.parallelism.expert ({expert_parallel})"
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not experts:
+        raise ValueError(f"{field} needs a Mixture-of-Experts model; {type(config).__name__} has no experts: set it to 1")
+    if options.moe_experts == "stock":
+        raise ValueError(f"{field} needs kuberl's grouped experts, not the library's (moe_experts='stock')")
+    if experts % expert_parallel:
+        raise ValueError(f"{field} must divide the model's num_experts ({experts}): set it to a divisor of {experts}")
+
+
 def _shard_experts(experts: GroupedExperts, expert_mesh: DeviceMesh, world_size: int, **fsdp) -> None:
     """Expert parallelism, as torchtitan composes it with FSDP2: the expert weights become
     DTensors ``Shard(0)`` over the ``ep`` dimension (whole experts per rank), then FSDP2 shards
@@ -154,9 +169,6 @@ def _shard_experts(experts: GroupedExperts, expert_mesh: DeviceMesh, world_size:
     EP group by the all-to-all's backward and over ``dp_shard`` by FSDP2, so they are divided by
     the whole world (as the dense gradients are), not by ``dp_shard``."""
     ep_mesh, dp_mesh = expert_mesh["ep"], expert_mesh["dp_shard"]
-    if experts.num_experts % ep_mesh.size():
-        raise ValueError(f"spec.trainer.parallelism.expert ({ep_mesh.size()}) must divide the model's "
-                         f"num_experts ({experts.num_experts}): set it to a divisor of {experts.num_experts}")
     for name, param in list(experts.named_parameters(recurse=False)):
         # src_data_rank=None: each rank keeps its own chunk (the weights are filled after sharding).
         experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)],
@@ -178,6 +190,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, options: ModelOptions, *, tr
                 expert_mesh: DeviceMesh | None = None) -> nn.Module:
     """``expert_mesh``: the ("dp_shard", "ep") mesh of ``trainer_meshes`` for expert parallelism."""
     layers = decoder_layers(model)
+    if expert_mesh is not None:
+        check_expert_parallel(model.config, options, expert_mesh["ep"].size())
     if options.gradient_checkpointing and trainable:
         if options.checkpoint_per_op:
             for layer in layers:
@@ -212,9 +226,6 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, options: ModelOptions, *, tr
     reshard = (options.reshard_after_forward if options.reshard_after_forward is not None
                else mesh.size() > 1 or options.cpu_offload)
     fsdp = dict(mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
-    if expert_mesh is not None and not any(isinstance(m, GroupedExperts) for m in model.modules()):
-        raise ValueError(f"spec.trainer.parallelism.expert ({expert_mesh['ep'].size()}) needs a Mixture-of-Experts "
-                         f"model with kuberl's grouped experts ({type(model).__name__} has none): set it to 1")
     for layer in layers:
         if expert_mesh is not None:
             for experts in [m for m in layer.modules() if isinstance(m, GroupedExperts)]:
