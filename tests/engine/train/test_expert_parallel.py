@@ -73,6 +73,8 @@ def _phase(rank: int, world: int, ep: int, port: int, model_path: str, out: str)
     buckets = plan_buckets(param_metas(worker.model, torch.float32), bucket_bytes=16 << 10)
     synced = {meta.name: t for bucket, tensors in iter_buckets(worker.model, buckets, torch.device("cpu"))
               for meta, t in zip(bucket.metas, tensors)}
+    # The Hugging Face export gathers full experts to rank 0.
+    worker.export_hf(out.removesuffix(".pt") + "-hf")
     if rank == 0:
         torch.save({"metrics": metrics, "state": full, "layout": layout, "synced": synced,
                     "buckets": len(buckets)}, out)
@@ -93,8 +95,9 @@ def _free_ports(n: int) -> list[int]:
     return sorted(ports)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_ep2_dp2_matches_one_process(tmp_path):
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -116,6 +119,14 @@ def test_ep2_dp2_matches_one_process(tmp_path):
     assert ep2["buckets"] > 1 and ep2["synced"].keys() == one["synced"].keys()
     for name, value in one["synced"].items():
         torch.testing.assert_close(ep2["synced"][name], value, rtol=1e-4, atol=1e-6, msg=name)
+    # So does the Hugging Face export: the same tensors, full experts included.
+    exported = {name: load_file(next((tmp_path / f"{name}-hf").glob("*.safetensors"))) for name in ("one", "ep2")}
+    assert exported["ep2"].keys() == exported["one"].keys()
+    experts = [name for name in exported["one"] if ".experts." in name]
+    assert experts and sum(exported["ep2"][name].numel() for name in experts) == sum(
+        exported["one"][name].numel() for name in experts)
+    for name, value in exported["one"].items():
+        torch.testing.assert_close(exported["ep2"][name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def _worker(rank: int, ep: int, port: int, model_path: str):
@@ -153,7 +164,7 @@ def _resharding_ranks(rank: int, ports: list[int], model_path: str, root: str) -
         torch.save(out, f"{root}/out.pt")
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_checkpoint_saved_at_ep2_restores_at_ep1_and_ep4(tmp_path):
     from transformers import AutoModelForCausalLM
 
