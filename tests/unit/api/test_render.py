@@ -289,6 +289,18 @@ def test_a_plan_written_before_the_process_layout_rename_still_reads():
     assert plans.read(yaml.safe_dump(written)) == plan
 
 
+def test_the_plan_carries_the_trainer_mesh_and_an_older_plan_reads_as_plain_fsdp():
+    """spec.trainer.parallelism.expert becomes the plan's (dp_shard, ep) mesh, which the ranks build
+    as it is; a plan written before the field reads as every rank in one FSDP2 dimension."""
+    manifest = minimal_manifest()
+    manifest["spec"]["trainer"] = {"replicas": 2, "gpusPerReplica": 4, "parallelism": {"expert": 4}}
+    plan = plans.for_cluster(validate_manifest(manifest))
+    assert plan.layout.trainer_mesh == plans.TrainerMesh(dp_shard=2, ep=4)
+    written = yaml.safe_load(plan.dump())
+    del written["layout"]["trainer_mesh"]
+    assert plans.read(yaml.safe_dump(written)).layout.trainer_mesh == plans.TrainerMesh(dp_shard=8, ep=1)
+
+
 def test_render_parses_each_uri_of_the_spec_once(monkeypatch):
     """The spec's URIs arrive typed (kuberl.api.uri.SpecURI): validating the manifest, then rendering
     every object and the run plan, twice, parses each once, however many containers, mounts and

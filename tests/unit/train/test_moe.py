@@ -105,3 +105,22 @@ def test_grouped_layer_compiles_as_one_graph():
         hidden, position_embeddings=(cos.to(torch.bfloat16), sin.to(torch.bfloat16)), attention_mask=None,
         position_ids=positions)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_expert_parallel_degree_is_checked_against_the_model_naming_the_field():
+    """The API server checks that spec.trainer.parallelism.expert divides the trainer's processes;
+    the model's expert count is judged when the trainer builds the model, before any collective."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    from kuberl.train.model import ModelOptions, check_expert_parallel
+
+    moe = Qwen3MoeConfig(num_experts=8)
+    check_expert_parallel(moe, ModelOptions(), 4)
+    with pytest.raises(ValueError, match=r"spec.trainer.parallelism.expert \(3\) must divide the model's "
+                                         r"num_experts \(8\): set it to a divisor of 8"):
+        check_expert_parallel(moe, ModelOptions(), 3)
+    with pytest.raises(ValueError, match=r"spec.trainer.parallelism.expert \(2\) needs a Mixture-of-Experts model"):
+        check_expert_parallel(Qwen3Config(), ModelOptions(), 2)
+    with pytest.raises(ValueError, match="needs kuberl's grouped experts"):
+        check_expert_parallel(moe, ModelOptions(moe_experts="stock"), 2)
+    check_expert_parallel(Qwen3Config(), ModelOptions(), 1)

@@ -483,12 +483,27 @@ class MoESpec(APIModel):
                                         "trainer's log-probs drift from the engine's.")
 
 
+class ParallelismSpec(APIModel):
+    expert: int = Field(1, ge=1, le=1024, description="Expert-parallel degree (MoE models): each group of "
+                        "this many trainer processes splits the experts between them, every process holding "
+                        "numExperts/expert whole experts, and tokens travel to their experts' processes "
+                        "(all-to-all) instead of every expert's weights being gathered; dense weights stay "
+                        "FSDP2-sharded over all processes (docs/parallelism.md). Must divide the trainer's "
+                        "processes and the model's number of experts (checked when the trainer starts).")
+
+
 class TrainerSpec(APIModel):
     model_config = ConfigDict(json_schema_extra=_rules(
         rule("!self.cpuOffload || self.gpusPerReplica > 0",
              "trainer.cpuOffload needs trainer.gpusPerReplica > 0: a CPU trainer already keeps its "
              "weights and optimizer state in host memory, so there is nothing to offload; remove "
              "cpuOffload, or give the trainer GPUs", ".cpuOffload"),
+        rule("!has(self.parallelism) || self.parallelism.expert < 1 || self.replicas < 1 || "
+             "self.processesPerReplica < 1 || (self.replicas * (self.gpusPerReplica > 0 ? self.gpusPerReplica "
+             ": self.processesPerReplica)) % self.parallelism.expert == 0",
+             "trainer.parallelism.expert must divide the trainer's processes (trainer.replicas x "
+             "gpusPerReplica, or x processesPerReplica on CPU): set it to a divisor of that count, or "
+             "change the trainer's size", ".parallelism.expert"),
     ))
     strategy: Literal["fsdp2"] = Field("fsdp2", description="Data-parallel sharding strategy.")
     replicas: int = Field(1, ge=1, le=MAX_REPLICAS, description="Trainer pods (nodes).")
@@ -513,6 +528,8 @@ class TrainerSpec(APIModel):
                               "resources.memory for the fp32 weights, gradients and AdamW moments (16 bytes "
                               "per parameter, divided over the trainer processes).")
     moe: MoESpec = Field(default_factory=MoESpec, description="Mixture-of-Experts options.")
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec,
+                                         description="How the trainer splits the model beyond FSDP2.")
     resources: Resources = Field(default_factory=Resources, description="Per-pod CPU and memory.")
 
 

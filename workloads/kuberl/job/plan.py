@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from kuberl.api import uri as uris
 from kuberl.api import types as t
@@ -37,6 +37,16 @@ class Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class TrainerMesh(Frozen):
+    """The trainer ranks' device mesh: ``dp_shard`` x ``ep`` = world size. Dense weights are FSDP2-
+    sharded over all ranks; each group of ``ep`` consecutive ranks splits the experts (expert
+    parallelism, spec.trainer.parallelism.expert), and the ``dp_shard`` ranks holding the same
+    experts FSDP2-shard them between them."""
+
+    dp_shard: int
+    ep: int = 1
+
+
 class ProcessLayout(Frozen):
     """How many processes of each kind run where (pods, trainer ranks, engines), and what each asks
     Ray for; the machine's own topology (NUMA nodes, GPUs, CPUs) is ``kuberl.numa.topology``'s.
@@ -47,6 +57,8 @@ class ProcessLayout(Frozen):
     trainer_pods: int
     ranks_per_pod: int
     world_size: int
+    # None only in plans written before expert parallelism: read as (world_size, 1).
+    trainer_mesh: TrainerMesh | None = None
     gpus_per_rank: int                  # 1 on GPU, 0 on CPU (gloo)
     rollout_pods: int                   # 0 when colocated
     engines_per_pod: int
@@ -64,6 +76,14 @@ class ProcessLayout(Frozen):
     # moment: while a trainer pod is being replaced its slots are missing, and a rank asking for a
     # CPU instead would start on another group's pod. True for plans written before this field.
     slots: bool = True
+
+    @model_validator(mode="after")
+    def _plain_fsdp_mesh(self) -> "ProcessLayout":
+        if self.trainer_mesh is None:
+            object.__setattr__(self, "trainer_mesh", TrainerMesh(dp_shard=self.world_size))
+        if self.trainer_mesh.dp_shard * self.trainer_mesh.ep != self.world_size:
+            raise ValueError(f"trainer_mesh {self.trainer_mesh} does not cover the {self.world_size} trainer ranks")
+        return self
 
     def slot_reservation(self, resource: str) -> dict[str, Any]:
         """What one trainer rank or engine asks Ray for, besides GPUs.
@@ -143,6 +163,8 @@ def process_layout(spec: t.RLTrainingJobSpec, *, slots: bool) -> ProcessLayout:
     trainer, rollout = spec.trainer, spec.rollout
     ranks_per_pod = trainer.gpus_per_replica or trainer.processes_per_replica
     gpus_per_rank = 1 if trainer.gpus_per_replica else 0
+    world_size = trainer.replicas * ranks_per_pod
+    ep = trainer.parallelism.expert
     tp = rollout.tensor_parallel_size
     if rollout.colocate:
         rollout_pods = 0
@@ -160,7 +182,8 @@ def process_layout(spec: t.RLTrainingJobSpec, *, slots: bool) -> ProcessLayout:
                   ROLLOUT_GROUP: {ROLLOUT_RESOURCE: engines_per_pod}}
     return ProcessLayout(
         trainer_pods=trainer.replicas, ranks_per_pod=ranks_per_pod,
-        world_size=trainer.replicas * ranks_per_pod, gpus_per_rank=gpus_per_rank,
+        world_size=world_size, gpus_per_rank=gpus_per_rank,
+        trainer_mesh=TrainerMesh(dp_shard=world_size // ep, ep=ep),
         rollout_pods=rollout_pods, engines_per_pod=engines_per_pod, engines=engines,
         gpus_per_engine=gpus_per_engine, tensor_parallel_size=tp, colocated=rollout.colocate,
         expected_pods=1 + trainer.replicas + rollout_pods, group_resources=groups, slots=slots)

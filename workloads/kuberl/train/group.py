@@ -191,7 +191,7 @@ class TrainerGroup:
                     f"only {len(ready)} of {self.world_size} trainer ranks got their resources "
                     f"({layout.gpus_per_rank} GPUs each) within {ready_timeout:.0f} s")
             master_addr, master_port = self._gather(addresses)[0]
-            config = TrainerConfig.from_spec(spec, on_gpu=use_gpu)
+            config = TrainerConfig.from_spec(spec, on_gpu=use_gpu, expert_parallel=layout.trainer_mesh.ep)
             log.info("trainer group: %d ranks, rendezvous %s:%d, %s", self.world_size, master_addr, master_port,
                      "NCCL on GPU" if use_gpu else "gloo on CPU")
             # (node, GPU id) per rank: colocated engines run on these GPUs.

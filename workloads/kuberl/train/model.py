@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from kuberl.train.logprobs import DEFAULT_CHUNK_TOKENS, use_logprob_head
-from kuberl.train.moe import use_grouped_experts
+from kuberl.train.moe import GroupedExperts, use_grouped_experts
 from kuberl.train.packing import PACKED_ATTENTION, UNIFORM_SDPA_ATTR, register_packed_attention
 from kuberl.train.recompute import checkpoint_per_op
 
@@ -65,6 +65,22 @@ class ModelOptions:
     # gradients and so the optimizer state in host memory; each layer's gathered weights visit
     # the device for its forward and backward only. Shards even at world size 1 (is_sharded).
     cpu_offload: bool = False
+    # spec.trainer.parallelism.expert: ranks per expert-parallel group (kuberl.train.moe); 1: every
+    # rank FSDP2-shards every expert.
+    expert_parallel: int = 1
+
+
+def trainer_meshes(device_type: str, world_size: int, expert_parallel: int) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """The dense mesh (every rank: FSDP2 of the dense weights) and, with expert parallelism, the
+    2-D ``("dp_shard", "ep")`` mesh of the experts: ``ep`` consecutive ranks split the experts
+    (on GPU nodes, the all-to-all stays within a node), the ``dp_shard`` ranks holding the same
+    experts FSDP2-shard them. The plan's trainer mesh (kuberl.job.plan.TrainerMesh) names both
+    sizes; this only builds them."""
+    dense = init_device_mesh(device_type, (world_size,))
+    if expert_parallel == 1:
+        return dense, None
+    return dense, init_device_mesh(device_type, (world_size // expert_parallel, expert_parallel),
+                                   mesh_dim_names=("dp_shard", "ep"))
 
 
 def load_config(model_path: str, options: ModelOptions):
@@ -131,8 +147,51 @@ def is_sharded(mesh: DeviceMesh, options: ModelOptions) -> bool:
     return mesh.size() > 1 or options.shard_single_rank or options.cpu_offload
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, options: ModelOptions, *, trainable: bool = True) -> nn.Module:
+def check_expert_parallel(config, options: ModelOptions, expert_parallel: int) -> None:
+    """The part of spec.trainer.parallelism.expert only the model's config can judge (the API
+    server checked that it divides the trainer's processes)."""
+    if expert_parallel == 1:
+        return
+    field = f"spec.trainer.parallelism.expert ({expert_parallel})"
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not experts:
+        raise ValueError(f"{field} needs a Mixture-of-Experts model; {type(config).__name__} has no experts: set it to 1")
+    if options.moe_experts == "stock":
+        raise ValueError(f"{field} needs kuberl's grouped experts, not the library's (moe_experts='stock')")
+    if experts % expert_parallel:
+        raise ValueError(f"{field} must divide the model's num_experts ({experts}): set it to a divisor of {experts}")
+
+
+def _shard_experts(experts: GroupedExperts, expert_mesh: DeviceMesh, world_size: int, **fsdp) -> None:
+    """Expert parallelism, as torchtitan composes it with FSDP2: the expert weights become
+    DTensors ``Shard(0)`` over the ``ep`` dimension (whole experts per rank), then FSDP2 shards
+    each rank's experts over ``dp_shard`` in their own group. Their gradients are summed over the
+    EP group by the all-to-all's backward and over ``dp_shard`` by FSDP2, so they are divided by
+    the whole world (as the dense gradients are), not by ``dp_shard``."""
+    ep_mesh, dp_mesh = expert_mesh["ep"], expert_mesh["dp_shard"]
+    for name, param in list(experts.named_parameters(recurse=False)):
+        # src_data_rank=None: each rank keeps its own chunk (the weights are filled after sharding).
+        experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)],
+                                                                        src_data_rank=None)))
+    # Fewer local experts than dp_shard ranks: FSDP2 would split dim 0 unevenly (padding);
+    # shard the rows of each expert instead (torchtitan's choice).
+    local = experts.num_experts // ep_mesh.size()
+    placement = (lambda _param: Shard(1)) if dp_mesh.size() > local else None
+    fully_shard(experts, mesh=dp_mesh, shard_placement_fn=placement, **fsdp)
+    experts.set_gradient_divide_factor(float(world_size))
+    if dp_mesh.device_type == "cpu" and dp_mesh.size() > 1:
+        # gloo has no PREMUL_SUM (FSDP2's reduce-scatter with a divide factor): sum, then divide.
+        # Not on a one-rank dp_shard (EP = world): there FSDP2 skips the reduce-scatter and divides
+        # by the factor itself, and with forced sums would divide a second time (torch 2.13).
+        experts.set_force_sum_reduction_for_comms(True)
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, options: ModelOptions, *, trainable: bool = True,
+                expert_mesh: DeviceMesh | None = None) -> nn.Module:
+    """``expert_mesh``: the ("dp_shard", "ep") mesh of ``trainer_meshes`` for expert parallelism."""
     layers = decoder_layers(model)
+    if expert_mesh is not None:
+        check_expert_parallel(model.config, options, expert_mesh["ep"].size())
     if options.gradient_checkpointing and trainable:
         if options.checkpoint_per_op:
             for layer in layers:
@@ -166,13 +225,40 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, options: ModelOptions, *, tr
     # freeing it is the memory offload is for, even at one rank.
     reshard = (options.reshard_after_forward if options.reshard_after_forward is not None
                else mesh.size() > 1 or options.cpu_offload)
+    fsdp = dict(mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+        if expert_mesh is not None:
+            for experts in [m for m in layer.modules() if isinstance(m, GroupedExperts)]:
+                _shard_experts(experts, expert_mesh, mesh.size(), **fsdp)
+        fully_shard(layer, mesh=mesh, **fsdp)
     # The root group holds the embeddings, final norm and LM head: tied weights stay one parameter.
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     if not trainable:
         model.requires_grad_(False)
     return model
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip the gradients to a global 2-norm of ``max_norm``; returns the norm before clipping, a
+    plain tensor equal on every rank. Sharded gradients are DTensors of up to two meshes (dense,
+    and the experts' ("dp_shard", "ep")); torch's ``clip_grad_norm_`` stacks per-tensor norms and
+    cannot mix meshes, so each mesh's norm is reduced to a full tensor first (as torchtitan's
+    ``_clip_grad_norm_with_ep``)."""
+    by_mesh: dict[DeviceMesh | None, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    # One mesh: its norm as it is (bit for bit what clip_grad_norm_ gave before expert parallelism).
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
 
 
 def _materialize(model: nn.Module, mesh: DeviceMesh, device: torch.device, options: ModelOptions) -> None:
@@ -244,14 +330,14 @@ def broadcast_full_state(model: nn.Module, source: nn.Module | None, device: tor
 
 
 def load_sharded_model(model_path: str, mesh: DeviceMesh, device: torch.device, options: ModelOptions,
-                       *, trainable: bool = True) -> nn.Module:
+                       *, trainable: bool = True, expert_mesh: DeviceMesh | None = None) -> nn.Module:
     """Build on the meta device, shard, allocate on ``device``, then broadcast rank 0's weights."""
     from transformers import AutoModelForCausalLM
 
     config = load_config(model_path, options)
     with torch.device("meta"):
         model = _build(config, options)
-    model = shard_model(model, mesh, options, trainable=trainable)
+    model = shard_model(model, mesh, options, trainable=trainable, expert_mesh=expert_mesh)
     _materialize(model, mesh, device, options)
     source = None
     if dist.get_rank() == 0:
@@ -265,13 +351,13 @@ def load_sharded_model(model_path: str, mesh: DeviceMesh, device: torch.device, 
 
 
 def init_random_sharded_model(config, mesh: DeviceMesh, device: torch.device, options: ModelOptions,
-                              seed: int = 0) -> nn.Module:
+                              seed: int = 0, expert_mesh: DeviceMesh | None = None) -> nn.Module:
     """Benchmarks: a model from a config with random weights, built directly on ``device`` per
     layer shard (no checkpoint exists; same sharding and wrappers as ``load_sharded_model``)."""
     config = prepare_config(config, options)
     with torch.device("meta"):
         model = _build(config, options)
-    model = shard_model(model, mesh, options)
+    model = shard_model(model, mesh, options, expert_mesh=expert_mesh)
     _materialize(model, mesh, device, options)
     torch.manual_seed(seed)
     with torch.no_grad():

@@ -19,13 +19,19 @@ Python loop over *all* experts (zero-row matmuls for empty ones), for platforms 
 but its per-expert row counts follow the routing, so a recompute that routes differently still
 fails it (tests/engine/train/test_moe_failure.py shows the grouped path surviving that).
 
+With expert parallelism (spec.trainer.parallelism.expert) the weights are DTensors sharded on the
+expert dimension, and the rows travel to their experts' ranks and back by all-to-all
+(``_expert_parallel``); that path reads the split sizes on the host once per layer.
+
 The swap replaces the ``experts`` submodule of our own model instance; no library module is patched.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 IMPLEMENTATIONS = ("grouped", "loop")
 
@@ -55,7 +61,38 @@ class GroupedExperts(nn.Module):
                                  f"set spec.trainer.paramDtype: bfloat16, or spec.trainer.moe.expertImplementation: loop")
             return torch._grouped_mm(x, w, offs=offsets)
         parts = x.split(counts.tolist())
-        return torch.cat([parts[e] @ w[e] for e in range(self.num_experts)])
+        return torch.cat([parts[e] @ w[e] for e in range(w.shape[0])])
+
+    def _experts(self, rows: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor,
+                 down_proj: torch.Tensor) -> torch.Tensor:
+        """``rows`` sorted by expert, ``counts[e]`` of them for expert ``e`` of the weights given."""
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        gate, up = self._grouped(rows, gate_up_proj, offsets, counts).chunk(2, dim=-1)
+        return self._grouped(self.act_fn(gate) * up, down_proj, offsets, counts)
+
+    def _expert_parallel(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism (torchtitan's ``ExpertParallel``): the weights are DTensors sharded
+        on the expert dimension over the EP mesh, each rank holding ``num_experts / ep`` whole
+        experts. Rows (sorted by expert, so by owning rank) go to their experts' ranks with one
+        all-to-all, run through the local experts, and come back with the reverse all-to-all
+        (autograd: the backward is the same exchange the other way). The split sizes are read on
+        the host: the one synchronisation of this path."""
+        mesh = self.gate_up_proj.device_mesh
+        group, ep = mesh.get_group(), mesh.size()
+        local = self.num_experts // ep
+        # received[r * local + e]: rows rank r sends to this rank's local expert e.
+        received = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, group=group))
+        send_splits = counts.view(ep, local).sum(1).tolist()
+        recv_splits = received.view(ep, local).sum(1).tolist()
+        rows = funcol.all_to_all_single_autograd(rows, recv_splits, send_splits, group)
+        # Arrived grouped by (source rank, local expert): regroup by local expert, stably (each
+        # expert's rows in source-rank order, hence deterministic).
+        expert_of_row = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(received)
+        order = torch.argsort(expert_of_row, stable=True)
+        out = self._experts(rows[order], received.view(ep, local).sum(0), self.gate_up_proj.to_local(),
+                            self.down_proj.to_local())
+        out = out[torch.argsort(order)]
+        return funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -67,14 +104,15 @@ class GroupedExperts(nn.Module):
         # Not bincount: its output shape depends on the data, which breaks the compiled layer's
         # graph in two (tests/unit/train/test_moe.py checks the layer traces as one graph).
         counts = flat_experts.new_zeros(self.num_experts).scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
-        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = hidden_states[token_of_row]
         if torch.is_autocast_enabled(rows.device.type):
             # One unsharded rank trains under autocast, which leaves the residual stream (hence
             # the normed input here) in fp32 and does not cover _grouped_mm.
             rows = rows.to(torch.get_autocast_dtype(rows.device.type))
-        gate, up = self._grouped(rows, self.gate_up_proj, offsets, counts).chunk(2, dim=-1)
-        out = self._grouped(self.act_fn(gate) * up, self.down_proj, offsets, counts)
+        if isinstance(self.gate_up_proj, DTensor):
+            out = self._expert_parallel(rows, counts)
+        else:
+            out = self._experts(rows, counts, self.gate_up_proj, self.down_proj)
         out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
         final = torch.zeros_like(hidden_states)
         return final.index_add_(0, token_of_row, out.to(final.dtype))

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
 
 from kuberl.common.samples import Sample, SampleError, TrainBatch
 from kuberl.train import loss as L
@@ -26,7 +25,8 @@ from kuberl.train import packing
 from kuberl.train.algorithms import registry
 from kuberl.train.algorithms.base import UpdateTotals
 from kuberl.train.logprobs import score_tokens
-from kuberl.train.model import ModelOptions, init_random_sharded_model, load_config, load_sharded_model
+from kuberl.train.model import (ModelOptions, clip_grad_norm, init_random_sharded_model, load_config,
+                                load_sharded_model, trainer_meshes)
 from kuberl.train.moe import is_moe_config
 
 log = logging.getLogger("kuberl.train")
@@ -64,7 +64,8 @@ class TrainerConfig:
     model: ModelOptions = field(default_factory=ModelOptions)
 
     @classmethod
-    def from_spec(cls, spec, *, on_gpu: bool) -> "TrainerConfig":
+    def from_spec(cls, spec, *, on_gpu: bool, expert_parallel: int = 1) -> "TrainerConfig":
+        """``expert_parallel``: the EP degree of the run plan's trainer mesh."""
         algo, trainer = spec.algorithm, spec.trainer
         dtype = getattr(torch, trainer.param_dtype) if on_gpu else torch.float32
         clip_low, clip_high = algo.clip_range()
@@ -81,7 +82,7 @@ class TrainerConfig:
                                gradient_checkpointing=trainer.gradient_checkpointing,
                                checkpoint_every=trainer.checkpoint_every,
                                param_dtype=dtype, moe_experts=trainer.moe.expert_implementation,
-                               cpu_offload=trainer.cpu_offload),
+                               cpu_offload=trainer.cpu_offload, expert_parallel=expert_parallel),
         )
 
 
@@ -201,7 +202,7 @@ class TrainerWorker:
         if not dist.is_initialized():
             dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                     rank=rank, world_size=world_size, device_id=self.device if on_gpu else None)
-        self.mesh = init_device_mesh(self.device.type, (world_size,))
+        self.mesh, self.expert_mesh = trainer_meshes(self.device.type, world_size, config.model.expert_parallel)
         random.seed(config.seed + rank)
         np.random.seed(config.seed + rank)
         torch.manual_seed(config.seed + rank)
@@ -210,13 +211,15 @@ class TrainerWorker:
                 raise ValueError("a randomly initialised model has no reference policy; use klCoef 0")
             self.hf_config = random_init_config
             self.model = init_random_sharded_model(random_init_config, self.mesh, self.device, config.model,
-                                                   seed=config.seed)
+                                                   seed=config.seed, expert_mesh=self.expert_mesh)
             self.ref_model = None
         else:
             self.hf_config = load_config(model_path, config.model)
-            self.model = load_sharded_model(model_path, self.mesh, self.device, config.model)
+            self.model = load_sharded_model(model_path, self.mesh, self.device, config.model,
+                                            expert_mesh=self.expert_mesh)
             # The reference policy is the initial weights, frozen; kept only when the KL term is used.
-            self.ref_model = (load_sharded_model(model_path, self.mesh, self.device, config.model, trainable=False)
+            self.ref_model = (load_sharded_model(model_path, self.mesh, self.device, config.model, trainable=False,
+                                                 expert_mesh=self.expert_mesh)
                               if config.kl_coef > 0 else None)
         self.is_moe = is_moe_config(self.hf_config)
         # Fused on GPU (one kernel over all parameters instead of several foreach passes); its share
@@ -368,9 +371,7 @@ class TrainerWorker:
                 sums += torch.cat([torch.stack([total.detach(), pg.detach(), kl.detach(), ent.detach(),
                                                 aux_term.detach() / self.world_size, extra["clipped_tokens"],
                                                 mb.mask.sum()]).float(), tis_sums.float()])
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_grad_norm(list(self.model.parameters()), cfg.max_grad_norm)
         nonfinite = (~torch.isfinite(grad_norm)).float().reshape(1).to(self.device)
         # One collective for every metric and the skip decision, after all micro-batches: every
         # rank sees the same sum, hence takes the same branch below.
