@@ -604,18 +604,57 @@ class Cluster:
         _wait("kube-proxy /healthz", lambda: _http_ok(proxy), 60, watch)
 
     def _import(self, nodes: list["realnodes.RealNode"], image: str, name: str) -> None:
+        """Import podman's `image` into `nodes` as `name`, unless a node has it already. The node's
+        superseded kuberl images (images.superseded) go before the import when it would not fit
+        beside them (a new dependency layer: 13 GiB per node for worker-cpu), else after it, so that
+        a code change, which adds only the small code layer, keeps the shared dependency layer
+        rather than importing it again. The pause image is imported again if anything removed it."""
+        held = {node.name: self._images_of(node) for node in nodes}
+        for node in nodes:  # what a kubelet's eviction removed is imported again
+            self._imported[node.name] = {n: source for n, source in self._imported[node.name].items()
+                                         if n in held[node.name]}
         nodes = [node for node in nodes if self._imported[node.name].get(name) != image]
         if not nodes:
             return
-        present = [set(subprocess.run([*node.ctr(), "-n", "k8s.io", "content", "ls", "-q"], capture_output=True,
-                                      text=True, check=True).stdout.split()) for node in nodes]
-        images.check_room_for_import(image, present, nodes[0].root.parent)
+        stale = {node.name: images.superseded(held[node.name], name) for node in nodes}
+        if any(stale.values()) and not images.room_for_import(image, self._contents(nodes), nodes[0].root.parent):
+            for node in nodes:
+                self._remove_images(node, stale[node.name])
+            stale = {node.name: [] for node in nodes}
+        images.check_room_for_import(image, self._contents(nodes), nodes[0].root.parent)
         images.import_into([node.ctr() for node in nodes], image, name,
                            [self.log_dir / f"import-{node.name}.log" for node in nodes])
         for node in nodes:
+            # `name` itself now names the new image; containerd collects the old one's layers.
+            self._remove_images(node, [n for n in stale[node.name] if n != name])
             self._imported[node.name][name] = image
             if self._stores:
                 self._stores.remember(node.name, self._imported[node.name])
+        if name != images.PAUSE_IMAGE:
+            self._import(nodes, images.PAUSE_IMAGE, images.PAUSE_IMAGE)
+
+    @staticmethod
+    def _images_of(node: "realnodes.RealNode") -> list[str]:
+        return subprocess.run([*node.ctr(), "-n", "k8s.io", "images", "ls", "-q"], capture_output=True, text=True,
+                              check=True).stdout.split()
+
+    @staticmethod
+    def _contents(nodes: list["realnodes.RealNode"]) -> list[set[str]]:
+        """Each node's content digests (the layers an import need not write again)."""
+        return [set(subprocess.run([*node.ctr(), "-n", "k8s.io", "content", "ls", "-q"], capture_output=True,
+                                   text=True, check=True).stdout.split()) for node in nodes]
+
+    def _remove_images(self, node: "realnodes.RealNode", names: list[str]) -> None:
+        """Remove `names` from the node's containerd and wait for its garbage collection, so that
+        their space is free when this returns."""
+        if not names:
+            return
+        subprocess.run([*node.ctr(), "-n", "k8s.io", "images", "rm", "--sync", *names], capture_output=True, text=True,
+                       check=True)
+        for n in names:
+            self._imported[node.name].pop(n, None)
+        if self._stores:
+            self._stores.remember(node.name, self._imported[node.name])
 
     def _nodes_named(self, node_names: list[str] | None) -> list["realnodes.RealNode"]:
         return [node for node in self.real_nodes if node_names is None or node.name in node_names]

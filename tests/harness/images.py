@@ -27,9 +27,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterable
 
 from tests.harness.build import BuildError, _cache_lock
 from tests.harness.components import KUBERNETES_VERSION, cache_dir
+from tests.harness.nodes import EVICTION_FREE_PERCENT
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # One target per image (`--target NAME`), sharing the build stages.
@@ -37,6 +39,8 @@ DOCKERFILE = REPO_ROOT / "images" / "Dockerfile"
 # The images the real-node tests run; `worker` needs CUDA and is not built here.
 NAMES = ("operator", "stager", "worker-cpu")
 PUBLIC_REPOSITORY = "ghcr.io/kuberl"
+# Where the images the harness imports into nodes live: the public names and the local base's.
+KUBERL_REPOSITORIES = (PUBLIC_REPOSITORY, "localhost/kuberl")
 VERSION = "0.1.0"
 
 DEBIAN_SUITE = "bookworm"
@@ -322,18 +326,52 @@ def import_need(layers: dict[str, int], present: list[set[str]]) -> int:
     return 2 * sum(size for digests in present for digest, size in layers.items() if digest not in digests)
 
 
+def repository(name: str) -> str:
+    """An image name without its tag: `ghcr.io/kuberl/worker-cpu:0.1.0` -> `ghcr.io/kuberl/worker-cpu`
+    (a registry's port, as in `localhost:5000/x`, is not a tag)."""
+    head, _, last = name.rpartition("/")
+    return f"{head}/{last.split(':', 1)[0]}" if head else last.split(":", 1)[0]
+
+
+def superseded(held: Iterable[str], name: str) -> list[str]:
+    """The images of a node (`held`: its image names) that an import of kuberl's image `name`
+    replaces: those of the same repository, i.e. the earlier build under the same public name and
+    an earlier base under its older hash tag. Never an image outside kuberl's repositories: the
+    pause image (and anything else) cannot be pulled back here."""
+    repo = repository(name)
+    if not repo.startswith(tuple(f"{r}/" for r in KUBERL_REPOSITORIES)):
+        return []
+    return sorted(h for h in held if repository(h) == repo)
+
+
+def import_fits(need: int, free: int, total: int) -> bool:
+    """Whether `free` bytes of a `total`-byte disk hold an import that writes `need` bytes and still
+    leave the reserve: a tenth of the need for pods' logs and emptyDirs, plus 3 % of the disk, three
+    times the kubelets' eviction threshold (`nodes.EVICTION_FREE_PERCENT`) that other writers on
+    this shared disk must not push it past: under it a kubelet deletes every image no pod is using,
+    the pause image among them, and no pod starts after that."""
+    return free - need >= need // 10 + total * 3 * EVICTION_FREE_PERCENT // 100
+
+
+def room_for_import(tag: str, present: list[set[str]], directory: Path) -> bool:
+    """Whether an import of `tag` into nodes holding the `present` content digests (one set per
+    node) fits on `directory`'s disk with the reserve of `import_fits`."""
+    usage = shutil.disk_usage(directory)
+    return import_fits(import_need(layer_sizes(tag), present), usage.free, usage.total)
+
+
 def check_room_for_import(tag: str, present: list[set[str]], directory: Path) -> None:
     """Each node's containerd keeps an imported layer twice (the blob, and it unpacked); layers a
     node already holds (`present`: its content digests, one set per node) cost nothing. Fail
-    before an import would fill the disk: a full disk does not just fail the import, the nodes'
-    kubelets then reclaim space by deleting images nothing can pull back (the pause image among
-    them), and every pod after that fails to start."""
+    before an import would leave less than `import_fits`'s reserve: a full disk does not just fail
+    the import, the nodes' kubelets then reclaim space by deleting images nothing can pull back
+    (the pause image among them), and every pod after that fails to start."""
     need = import_need(layer_sizes(tag), present)
-    free = shutil.disk_usage(directory).free
-    # Keep a tenth of the need spare for pods' logs and emptyDirs.
-    if free < need * 1.1:
+    usage = shutil.disk_usage(directory)
+    if not import_fits(need, usage.free, usage.total):
         raise ImageError(f"importing {tag} into {len(present)} node(s) needs about {need / 2**30:.1f} GiB under "
-                         f"{directory}; {free / 2**30:.1f} GiB are free. Free some space (old /tmp/kuberl-cluster-* "
+                         f"{directory} and a reserve of {(need // 10 + usage.total * 3 * EVICTION_FREE_PERCENT // 100) / 2**30:.1f} GiB; "
+                         f"{usage.free / 2**30:.1f} GiB are free. Free some space (old /tmp/kuberl-cluster-* "
                          f"directories of killed runs, `podman --root {storage_dir()} image prune`, "
                          f"{cache_dir() / 'node-store'} when no test runs), or use fewer real nodes.")
 

@@ -41,6 +41,9 @@ CLUSTER_CIDR = "10.244.0.0/16"
 CLUSTER_DOMAIN = "cluster.local"
 CNI_BIN_DIR = Path("/usr/lib/cni")
 REAL_NODE_LABEL = "kuberl.test/real-node"
+# The kubelets' hard eviction threshold for free disk (nodefs and imagefs): under it a kubelet deletes
+# every image no pod uses. images.import_fits keeps imports well above it.
+EVICTION_FREE_PERCENT = 1
 # The kernel settings kubelet sets on start (vm.overcommit_memory, kernel.panic, ...): global to
 # the machine, so the harness puts back what it found once the kubelets are up.
 KERNEL_TUNABLES = (
@@ -511,7 +514,8 @@ disabled_plugins = {json.dumps(disabled)}
             # and do not evict on a busy shared disk.
             "imageGCHighThresholdPercent": 100,
             "imageGCLowThresholdPercent": 99,
-            "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
+            "evictionHard": {"memory.available": "100Mi", "nodefs.available": f"{EVICTION_FREE_PERCENT}%",
+                             "imagefs.available": f"{EVICTION_FREE_PERCENT}%"},
             "serializeImagePulls": False,
             "nodeStatusReportFrequency": "10s",
             "syncFrequency": "10s",

@@ -11,7 +11,8 @@ engine, the trainer ranks) after its step-10 checkpoint is on S3; run C resumes 
 reproduce A's steps from 11 bit for bit. Run C also loses one trainer rank's process after step
 12: the driver recovers in place, from the step-10 checkpoint, with the same engine processes, and
 its steps 11-20 after the recovery are A's bit for bit too. (One run serves both: a driver start
-costs about 85 s of CI, the steps about 1 s each.) Run D is preempted with SIGTERM.
+costs about 85 s of CI, the steps about 1 s each.) Run F gets a trainer pod's preemption notice,
+loses that rank, recovers, and is then preempted itself with SIGTERM (again one run for two tests).
 
 No filesystem is shared as it would be on one machine: each trainer rank writes its checkpoint
 shards and temp files below its own scratch directory (``<work-dir>/scratch/rank-<r>``, what each
@@ -256,27 +257,6 @@ def test_killed_driver_resumes_from_s3_bit_identically(run_a, resumed_run):
     assert "resumed from s3://grpo-e2e/run-b/step-000000010" in log
 
 
-def test_sigterm_finishes_the_step_checkpoints_and_exits_75(run_a, s3_root):
-    """Preemption: pod eviction or RayJob suspend sends SIGTERM to the driver."""
-    from kuberl.driver.loop import EXIT_PREEMPTED
-
-    tmp, _ = run_a
-    fs, bucket, env = s3_root
-    run_d = start_driver(write_config(tmp, f"s3://{bucket}/run-d"), tmp / "d", env)
-    try:
-        wait_while_running(run_d, tmp / "d", lambda: (tmp / "d" / "metrics.jsonl").exists() and len(metrics(tmp / "d")) >= 3,
-                           "step 3", time.monotonic() + RUN_TIMEOUT_S)
-        run_d.send_signal(signal.SIGTERM)
-        code = run_d.wait(timeout=RUN_TIMEOUT_S)
-    finally:
-        kill_group(run_d)
-    assert code == EXIT_PREEMPTED, tail(tmp / "d" / "driver.log")
-    last = max(metrics(tmp / "d"))
-    assert last < 10  # stopped early, not at an interval checkpoint
-    fs.invalidate_cache()
-    assert fs.cat_file(f"{bucket}/run-d/latest") == f"step-{last:09d}".encode()
-
-
 def test_a_lost_trainer_rank_is_recovered_in_place(run_a, resumed_run, s3_root):
     """One trainer rank's process is SIGKILLed after step 12 of the resumed run C: the run completes
     in the same driver, restored from the step-10 checkpoint, and the engine processes that served
@@ -316,24 +296,25 @@ def gcs_address(proc: subprocess.Popen) -> str:
     raise AssertionError("the driver's Ray has no raylet yet")
 
 
-def test_a_trainer_pods_preemption_notice_checkpoints_the_step_in_flight(run_a, s3_root):
-    """A trainer pod is deleted: its preStop hook (`kuberl preemption-notice`, here run beside the
-    driver against its Ray) tells the driver, which checkpoints the step in flight at the next
-    boundary (no other checkpoint is due); the hook returns once that checkpoint is committed, and
-    the rank then goes (SIGKILLed here). The recovery restores that step: no step is lost, and the
-    steps after it are run A's bit for bit. Run F goes on past A's 20 steps: joining Ray from a
-    new process takes the hook longer than a few of these steps."""
-    tmp, uninterrupted = run_a
+@pytest.fixture(scope="module")
+def notice_run(run_a, s3_root):
+    """Run F: a trainer pod's preemption notice (`kuberl preemption-notice`, run beside the driver
+    against its Ray) after step 2, then that rank SIGKILLed; once the recovered run is two steps
+    past both the notice's checkpoint and A's last step, the driver is preempted with SIGTERM.
+    (One run serves the notice's test and the SIGTERM's: a driver start costs more than the steps.)
+    Only the notice's and the SIGTERM's checkpoints are due. Returns the notice's checkpoint step,
+    the hook's stdout, the driver's exit code after the SIGTERM, F's metric rows and its log."""
+    tmp, _ = run_a
     fs, bucket, env = s3_root
     config = write_config(tmp, f"s3://{bucket}/run-f")
     manifest = yaml.safe_load(config.read_text())
     manifest["spec"]["algorithm"]["totalSteps"] = NOTICE_RUN_STEPS
-    manifest["spec"]["checkpoint"]["intervalSteps"] = 10 * NOTICE_RUN_STEPS  # only the notice's checkpoint
+    manifest["spec"]["checkpoint"]["intervalSteps"] = 10 * NOTICE_RUN_STEPS  # only the notice's and SIGTERM's
     config.write_text(yaml.safe_dump(manifest))
     run_f = start_driver(config, tmp / "f", env)
     try:
-        wait_while_running(run_f, tmp / "f", lambda: last_step(tmp / "f") >= 2, "step 2",
-                           time.monotonic() + RUN_TIMEOUT_S)
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        wait_while_running(run_f, tmp / "f", lambda: last_step(tmp / "f") >= 2, "step 2", deadline)
         done = last_step(tmp / "f")
         # A local ray.init's cluster has token auth (the token in ~/.ray/auth_token), which a
         # client given an explicit address does not turn on by itself ("auto", in a pod, does).
@@ -348,25 +329,59 @@ def test_a_trainer_pods_preemption_notice_checkpoints_the_step_in_flight(run_a, 
         fs.invalidate_cache()
         assert fs.exists(f"{bucket}/run-f/step-{step:09d}/COMPLETE")
         ray_workers(run_f, "TrainerActor")[-1].kill()  # the pod goes once its hook has returned
-        wait(run_f, tmp / "f")
+
+        def recovered_past(target: int) -> bool:
+            rows = metric_rows(tmp / "f")
+            first = next((i for i, row in enumerate(rows) if "trainer_recoveries" in row), None)
+            return first is not None and max(row["step"] for row in rows[first:]) >= target
+
+        wait_while_running(run_f, tmp / "f", lambda: recovered_past(max(step, STEPS) + 2),
+                           "the recovered run's steps", deadline)
+        run_f.send_signal(signal.SIGTERM)  # pod eviction or RayJob suspend
+        code = run_f.wait(timeout=RUN_TIMEOUT_S)
     finally:
         kill_group(run_f)
+    return step, hook.stdout, code, metric_rows(tmp / "f"), (tmp / "f" / "driver.log").read_text()
 
-    log = (tmp / "f" / "driver.log").read_text()
+
+def test_sigterm_finishes_the_step_checkpoints_and_exits_75(notice_run, s3_root):
+    """Preemption: pod eviction or RayJob suspend sends SIGTERM to the driver (run F's, well past its
+    recovery): it finishes the step in flight, checkpoints it and exits 75."""
+    from kuberl.driver.loop import EXIT_PREEMPTED
+
+    fs, bucket, _ = s3_root
+    notice_step, _, code, rows, log = notice_run
+    assert code == EXIT_PREEMPTED, log[-4000:]
+    last = rows[-1]["step"]
+    # Stopped early, and the checkpoint is the SIGTERM's: no interval is due, the notice's is older.
+    assert notice_step < last < NOTICE_RUN_STEPS, [row["step"] for row in rows]
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{bucket}/run-f/latest") == f"step-{last:09d}".encode()
+    assert fs.exists(f"{bucket}/run-f/step-{last:09d}/COMPLETE")
+
+
+def test_a_trainer_pods_preemption_notice_checkpoints_the_step_in_flight(run_a, notice_run):
+    """A trainer pod is deleted: its preStop hook tells the driver, which checkpoints the step in
+    flight at the next boundary (no other checkpoint is due); the hook returns once that checkpoint
+    is committed, and the rank then goes (SIGKILLed here). The recovery restores that step: no step
+    is lost, and the steps after it are run A's bit for bit. Run F goes on past A's 20 steps:
+    joining Ray from a new process takes the hook longer than a few of these steps."""
+    _, uninterrupted = run_a
+    step, hook_stdout, _, rows, log = notice_run
     assert f"checkpointing step {step}, the step in flight at the notice" in log
     # No step begins on the going rank before the commit (it would only run again).
-    assert log.index(f"checkpoint step {step} committed") < log.index(f"step {step + 1}/"), tail(tmp / "f" / "driver.log")
-    assert f"restored step {step}," in log, tail(tmp / "f" / "driver.log")
-    rows = metric_rows(tmp / "f")
+    assert log.index(f"checkpoint step {step} committed") < log.index(f"step {step + 1}/"), log[-4000:]
+    assert f"restored step {step}," in log, log[-4000:]
     steps = [row["step"] for row in rows]
+    last = steps[-1]  # the step in flight at the SIGTERM (test_sigterm_...)
     # Nothing ran on the going rank between the notice's boundary and the commit, so at most one
     # step runs again: one begun between the commit and the kill, and finished before it landed.
-    assert sorted(set(steps)) == list(range(1, NOTICE_RUN_STEPS + 1)) and len(steps) - len(set(steps)) <= 1, steps
+    assert sorted(set(steps)) == list(range(1, last + 1)) and len(steps) - len(set(steps)) <= 1, steps
     after = len(steps) - 1 - steps[::-1].index(step + 1)  # the restored run's first step
-    assert steps[after:] == list(range(step + 1, NOTICE_RUN_STEPS + 1)), steps
+    assert steps[after:] == list(range(step + 1, last + 1)), steps
     for row in rows[after:]:
         if row["step"] > STEPS:
             break
         assert {k: v for k, v in row.items() if not wall_clock(k) and not k.startswith("trainer_recover")} == \
             uninterrupted[row["step"]], f"step {row['step']} differs after the recovery"
-    print(f"notice -> checkpoint step {step} committed; {hook.stdout.strip()}")
+    print(f"notice -> checkpoint step {step} committed; {hook_stdout.strip()}")

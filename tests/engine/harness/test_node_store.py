@@ -93,3 +93,44 @@ def test_layer_sizes_of_a_built_image_come_from_podmans_layer_index():
     images.build(())
     sizes = images.layer_sizes(images.PAUSE_IMAGE)
     assert sizes and all(digest.startswith("sha256:") and size > 0 for digest, size in sizes.items())
+
+
+def test_an_import_replaces_the_nodes_superseded_kuberl_image_and_brings_the_pause_image_back(tmp_path, monkeypatch):
+    """With the real containerd and the tiny pause image under kuberl names: a new base tag
+    replaces the old one (removed after the import: it fits beside it), and the pause image, gone
+    from the node, comes back. When the import would not fit beside the superseded image (a full
+    disk cannot be made here: `room_for_import` answers no), that image is gone before the import."""
+    if os.geteuid() != 0 or host_tools_missing():
+        pytest.skip("needs root, containerd and podman (`bash .ci/setup --tests`)")
+    from tests.harness.harness import Cluster
+
+    images.build(())  # the pause image (tiny, built once)
+    cluster = Cluster(tmp_path / "cluster", nodes=0, real_nodes=1)
+    cluster.log_dir.mkdir(parents=True)
+    (node,) = cluster.real_nodes
+    node.directory = tmp_path / "node"  # containerd's socket paths must stay under 108 characters
+    node.directory.mkdir()
+    old, new = "localhost/kuberl/probe:0ld", "localhost/kuberl/probe:n3w"
+    with contextlib.ExitStack() as cleanup, _containerd(node) as ctr:
+        # import_into names the image in podman's store as it imports it: those names go again.
+        cleanup.callback(subprocess.run, images.podman_argv("untag", images.PAUSE_IMAGE, old, new), capture_output=True)
+
+        def held() -> set[str]:
+            return set(subprocess.run([*ctr, "images", "ls", "-q"], check=True, capture_output=True, text=True).stdout.split())
+
+        cluster._import([node], images.PAUSE_IMAGE, old)
+        subprocess.run([*ctr, "images", "rm", "--sync", images.PAUSE_IMAGE], capture_output=True)
+        assert held() == {old}
+
+        cluster._import([node], images.PAUSE_IMAGE, new)
+        assert held() == {new, images.PAUSE_IMAGE}
+        assert cluster._imported[node.name] == {new: images.PAUSE_IMAGE, images.PAUSE_IMAGE: images.PAUSE_IMAGE}
+
+        seen_at_import = []
+        real_import = images.import_into
+        monkeypatch.setattr(images, "room_for_import", lambda *args: False)
+        monkeypatch.setattr(images, "import_into", lambda *args: (seen_at_import.append(held()), real_import(*args)))
+        cluster._imported[node.name][new] = "an earlier build"  # the same name from another source
+        cluster._import([node], images.PAUSE_IMAGE, new)
+        assert seen_at_import == [{images.PAUSE_IMAGE}]  # the superseded image went first
+        assert held() == {new, images.PAUSE_IMAGE}

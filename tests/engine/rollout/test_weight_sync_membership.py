@@ -4,13 +4,16 @@ The session's one-engine pool is grown to two (one engine start), the new engine
 ``ray.kill`` while a batch is out, and the batch still comes back whole from the engine left;
 then the pool starts a replacement (a second start), which joins at the step boundary, gets the
 current weights through a rebuilt nccl (gloo) sync group, and serves with that weight version.
-The pool is given back as it was found: one engine, the initial weights.
+Each test gives the pool's engines back with the initial weights; the second engine, the first
+test's replacement, is the next test's victim (an engine start is most of a test's time), and the
+module gives the pool back as it found it: one engine.
 """
 
 from __future__ import annotations
 
 import threading
 
+import pytest
 import ray
 
 from tests.engine.rollout.conftest import make_spec
@@ -37,12 +40,27 @@ def check_batch(groups, version: int) -> None:
             assert sample.weight_version == version
 
 
-def restore_the_session(pool, original, trainer, sync, *, noise_seed: int) -> None:
-    """Back to the session's one engine and initial weights for its other tests: the extra engines
-    go, the noise a test added (``perturb(noise_seed, 0.05)``) is subtracted, and the engine left
-    gets those weights."""
+@pytest.fixture(scope="module", autouse=True)
+def one_engine_after(pool):
+    """The session's pool as the module found it, one engine, for the session's other tests."""
+    (original,) = pool.engines
+    yield
     pool.resize(1)
     assert pool.engines == [original]
+
+
+def second_engine(pool, original):
+    """The pool at two engines (a start unless the last test left its replacement running); returns
+    the second, the victim."""
+    pool.resize(2)
+    pool.replenish(timeout=START_TIMEOUT)
+    assert len(pool.engines) == 2 and pool.engines[0] is original, "the second engine did not start in time"
+    return pool.engines[1]
+
+
+def restore_the_weights(pool, trainer, sync, *, noise_seed: int) -> None:
+    """Back to the initial weights for the module's and the session's other tests: the noise a test
+    added (``perturb(noise_seed, 0.05)``) is subtracted, and the live engines get those weights."""
     ray.get(trainer.ranks[0].perturb.remote(noise_seed, -0.05))
     sync.rebuild()
     sync.sync(max(pool.weight_versions()) + 1)
@@ -55,12 +73,11 @@ def test_a_lost_engines_share_is_regenerated_and_its_replacement_serves_the_curr
     trainer = StandInTrainerGroup(tiny_model)
     sync = make_weight_sync(make_spec(tiny_model, method="nccl"), trainer, pool)
     sync.setup()
-    (original,) = pool.engines
+    original = pool.engines[0]
     try:
-        pool.resize(2)
-        assert pool.replenish(timeout=START_TIMEOUT) == 1, "the second engine did not start in time"
-        (victim,) = [e for e in pool.engines if e is not original]
-        assert sync.rebuild() and len(sync.members) == 2
+        victim = second_engine(pool, original)
+        sync.rebuild()
+        assert sync.members == pool.members and len(sync.members) == 2
         version = max(pool.weight_versions()) + 1
         trainer.perturb(5)
         sync.sync(version)
@@ -103,7 +120,7 @@ def test_a_lost_engines_share_is_regenerated_and_its_replacement_serves_the_curr
         assert counts.pop("engine_replacement_seconds") > 0  # from the kill to the replacement joined
         assert counts == {"engines_lost": 0.0, "engines_replaced": 1.0, "engine_replacements": 1.0, "engines_live": 2.0}
     finally:
-        restore_the_session(pool, original, trainer, sync, noise_seed=5)
+        restore_the_weights(pool, trainer, sync, noise_seed=5)
 
 
 
@@ -176,12 +193,11 @@ def test_an_engine_lost_during_a_weight_sync_is_dropped_and_the_others_get_the_w
     sync = make_weight_sync(make_spec(tiny_model, method="nccl"), trainer, pool)
     sync.setup()
     assert len(plan_buckets(sync.metas, sync.bucket_bytes)) >= 2, "one bucket: nothing left to send after the kill"
-    (original,) = pool.engines
+    original = pool.engines[0]
     try:
-        pool.resize(2)
-        assert pool.replenish(timeout=START_TIMEOUT) == 1, "the second engine did not start in time"
-        (victim,) = [e for e in pool.engines if e is not original]
-        assert sync.rebuild()
+        victim = second_engine(pool, original)
+        sync.rebuild()
+        assert sync.members == pool.members and len(sync.members) == 2
         pool.take_counts()
         version = max(pool.weight_versions()) + 1
         trainer.perturb(11)
@@ -227,4 +243,4 @@ def test_an_engine_lost_during_a_weight_sync_is_dropped_and_the_others_get_the_w
                               trainer.log_probs([SEQUENCE])[0]) <= 1e-3
         ray.get(trainer.ranks[0].perturb.remote(12, -0.05))
     finally:
-        restore_the_session(pool, original, trainer, sync, noise_seed=11)
+        restore_the_weights(pool, trainer, sync, noise_seed=11)
