@@ -16,6 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kuberl.train.logprobs import DEFAULT_CHUNK_TOKENS, use_logprob_head
+from kuberl.train.lora import LoraOptions, apply_lora
 from kuberl.train.moe import use_grouped_experts
 from kuberl.train.packing import PACKED_ATTENTION, UNIFORM_SDPA_ATTR, register_packed_attention
 from kuberl.train.recompute import checkpoint_per_op
@@ -65,6 +66,9 @@ class ModelOptions:
     # gradients and so the optimizer state in host memory; each layer's gathered weights visit
     # the device for its forward and backward only. Shards even at world size 1 (is_sharded).
     cpu_offload: bool = False
+    # spec.trainer.lora: adapters on the targeted linear layers (kuberl.train.lora), added before
+    # fully_shard; the base frozen. None trains every parameter.
+    lora: LoraOptions | None = None
 
 
 def load_config(model_path: str, options: ModelOptions):
@@ -249,8 +253,11 @@ def load_sharded_model(model_path: str, mesh: DeviceMesh, device: torch.device, 
     from transformers import AutoModelForCausalLM
 
     config = load_config(model_path, options)
+    lora = options.lora if trainable else None
     with torch.device("meta"):
         model = _build(config, options)
+        if lora is not None:
+            apply_lora(model, lora)
     model = shard_model(model, mesh, options, trainable=trainable)
     _materialize(model, mesh, device, options)
     source = None
@@ -259,6 +266,9 @@ def load_sharded_model(model_path: str, mesh: DeviceMesh, device: torch.device, 
                                                       trust_remote_code=options.trust_remote_code)
         if options.moe_experts != "stock":
             use_grouped_experts(source, options.moe_experts)
+        if lora is not None:
+            # Rank 0 draws the adapters' initial values; the broadcast gives every rank the same.
+            apply_lora(source, lora, seed=lora.seed)
     broadcast_full_state(model, source, device, options.broadcast_bucket_bytes)
     del source
     return model
@@ -271,6 +281,8 @@ def init_random_sharded_model(config, mesh: DeviceMesh, device: torch.device, op
     config = prepare_config(config, options)
     with torch.device("meta"):
         model = _build(config, options)
+        if options.lora is not None:
+            apply_lora(model, options.lora)
     model = shard_model(model, mesh, options)
     _materialize(model, mesh, device, options)
     torch.manual_seed(seed)
@@ -278,6 +290,8 @@ def init_random_sharded_model(config, mesh: DeviceMesh, device: torch.device, op
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.fill_(1.0)
+            elif ".lora_B." in name:
+                param.zero_()  # an adapter starts as the identity, as apply_lora's
             else:
                 param.normal_(0.0, config.initializer_range)
         # Non-persistent buffers (rotary inv_freq) are garbage after to_empty: rebuild them.
