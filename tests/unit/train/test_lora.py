@@ -44,13 +44,13 @@ def _batch(step: int) -> TrainBatch:
                               advantage=float(i % 3) - 1.0, group=i // 2) for i in range(6)])
 
 
-def _worker(model_path: str, port: int, lora: LoraOptions | None = LORA):
+def _worker(model_path: str, port: int, lora: LoraOptions | None = LORA, *, fsdp: bool = True):
     from kuberl.train.model import ModelOptions
     from kuberl.train.worker import TrainerConfig, TrainerWorker
 
     # lr 1e-2: the adapters move visibly in 3 steps; klCoef > 0: the reference policy is used.
     config = TrainerConfig(lr=1e-2, micro_batch_size=2, entropy_coef=0.01, kl_coef=0.05,
-                           model=ModelOptions(shard_single_rank=True, lora=lora))
+                           model=ModelOptions(shard_single_rank=fsdp, lora=lora))
     return TrainerWorker(model_path, config, rank=0, world_size=1, master_addr="127.0.0.1", master_port=port,
                          device=torch.device("cpu"))
 
@@ -138,6 +138,17 @@ def test_lora_trains_only_the_adapters_syncs_them_and_resumes_exactly(tmp_path):
     torch.testing.assert_close(torch.tensor(sum(merged.log_probs(_batch(5)), [])),
                                torch.tensor(sum(resumed.log_probs(_batch(5)), [])), rtol=0, atol=1e-5)
     merged.shutdown()
+
+
+def test_lora_on_one_unsharded_rank_trains_the_adapters_alone(tmp_path):
+    """One rank keeps a plain module (no FSDP2), as a one-GPU trainer does."""
+    worker = _worker(_save_model(tmp_path / "model"), unclaimed_port(), fsdp=False)
+    assert not isinstance(next(worker.model.parameters()), DTensor)
+    before = _params(worker)
+    worker.train_step(_with_ref(worker, _batch(0)))
+    changed = {k for k, v in _params(worker).items() if not torch.equal(v, before[k])}
+    assert changed and all(".lora_B." in k for k in changed)  # A's gradient is 0 while B is
+    worker.shutdown()
 
 
 def test_a_target_the_model_lacks_is_refused_naming_the_field():

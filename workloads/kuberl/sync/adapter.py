@@ -45,6 +45,15 @@ def adapter_config(*, rank: int, alpha: int, dropout: float, target_modules: lis
             "init_lora_weights": True, "base_model_name_or_path": base_model}
 
 
+def spec_adapter_config(spec) -> dict | None:
+    """``spec.trainer.lora``'s adapter config, or None without LoRA (the sync sends full weights)."""
+    lora = spec.trainer.lora
+    if lora is None:
+        return None
+    return adapter_config(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                          target_modules=list(lora.target_modules))
+
+
 def save_adapter(directory: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> int:
     """Write ``tensors`` (saved names) and ``config`` into ``directory``; the weights file is
     renamed into place complete, the config written last (a reader that finds the config finds
