@@ -382,10 +382,14 @@ class RolloutEngine:
         return result
 
     def _adapter_root(self) -> str:
+        """This engine's own directory for the adapters its workers receive (memory-backed like
+        the weight snapshots), removed with the engine."""
         from kuberl.sync.snapshot import snapshot_root
 
         root = snapshot_root() / f"engine-{self.engine_index}-{os.getpid()}"
-        root.mkdir(parents=True, exist_ok=True)
+        if not root.is_dir():
+            root.mkdir(parents=True)
+            self._resources.callback(shutil.rmtree, root, True)
         return str(root)
 
     async def sleep(self) -> bool:
