@@ -111,6 +111,17 @@ def test_lora_trains_only_the_adapters_syncs_them_and_resumes_exactly(tmp_path):
           f"({full_bytes / adapter_bytes:.1f}x)")
     assert adapter_bytes * 4 < full_bytes
 
+    # A LoRA checkpoint restores only into a LoRA trainer, and a full one only into a full one.
+    from kuberl.train.checkpoint import lora_mismatch
+    from kuberl.train.dcp_read import load_metadata
+
+    keys = load_metadata((tmp_path / "ckpt" / ".metadata").read_bytes(), "ckpt").state_dict_metadata
+    assert lora_mismatch(keys, True, "ckpt") is None
+    assert "written with trainer.lora" in lora_mismatch(keys, False, "ckpt")
+    full = ["model.model.layers.0.self_attn.q_proj.weight", "optim.state.model.norm.weight.exp_avg"]
+    assert lora_mismatch(full, False, "ckpt") is None
+    assert "remove trainer.lora to resume it" in lora_mismatch(full, True, "ckpt")
+
     # Resume after step 1 into a fresh trainer: steps 1 and 2 again, bit for bit.
     resumed = _worker(model, port)
     resumed.restore_state(lambda fresh: dcp.load(fresh, storage_reader=dcp.FileSystemReader(str(tmp_path / "ckpt"))),

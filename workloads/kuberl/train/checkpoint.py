@@ -86,6 +86,22 @@ def fetch_tar_parts(uri: str, world_size: int, local: Path) -> Path:
     return trainer
 
 
+def lora_mismatch(checkpointed: Any, lora: bool, where: str) -> str | None:
+    """Why a trainer with (``lora``) or without LoRA adapters cannot restore a checkpoint whose
+    tensors are named ``checkpointed`` (its dcp metadata's keys), or None: a LoRA checkpoint holds
+    the adapters alone, a full one every weight, and neither restores into the other."""
+    has_adapters = any(".lora_A." in key or ".lora_B." in key for key in checkpointed)
+    if lora and not has_adapters:
+        return (f"{where}: written without trainer.lora (the whole model trained), so it holds no adapters "
+                f"to restore; remove trainer.lora to resume it, or start the LoRA run fresh "
+                f"(checkpoint.resume: never, or another checkpoint.uri)")
+    if has_adapters and not lora:
+        return (f"{where}: written with trainer.lora (it holds the adapters, not the whole model); set "
+                f"trainer.lora as it was to resume it, or start fresh (checkpoint.resume: never, or another "
+                f"checkpoint.uri)")
+    return None
+
+
 def find_checkpoint(resume: Resume) -> str | None:
     """The checkpoint a run restores, from the plan alone: the newest complete one under the
     job's own root, else the one the spec names (which must be complete), else none."""
@@ -253,7 +269,7 @@ class RankCheckpointer:
                 metadata = load_metadata(
                     with_retries(lambda: files.cat_file(f"{reader_path}/{METADATA}"), uri=uri),
                     f"{where}/{METADATA}")
-                refused = None
+                refused = lora_mismatch(metadata.state_dict_metadata, self.worker.config.model.lora is not None, uri)
             except StorageError as err:
                 refused = str(err)
             self._all_or_none(refused)
