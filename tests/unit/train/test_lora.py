@@ -111,16 +111,23 @@ def test_lora_trains_only_the_adapters_syncs_them_and_resumes_exactly(tmp_path):
           f"({full_bytes / adapter_bytes:.1f}x)")
     assert adapter_bytes * 4 < full_bytes
 
-    # A LoRA checkpoint restores only into a LoRA trainer, and a full one only into a full one.
+    # A LoRA checkpoint restores only into a LoRA trainer of the same rank and modules, and a full
+    # one only into a full trainer; refused before dcp.load, naming the field.
     from kuberl.train.checkpoint import lora_mismatch
     from kuberl.train.dcp_read import load_metadata
 
-    keys = load_metadata((tmp_path / "ckpt" / ".metadata").read_bytes(), "ckpt").state_dict_metadata
-    assert lora_mismatch(keys, True, "ckpt") is None
-    assert "written with trainer.lora" in lora_mismatch(keys, False, "ckpt")
-    full = ["model.model.layers.0.self_attn.q_proj.weight", "optim.state.model.norm.weight.exp_avg"]
-    assert lora_mismatch(full, False, "ckpt") is None
-    assert "remove trainer.lora to resume it" in lora_mismatch(full, True, "ckpt")
+    saved = load_metadata((tmp_path / "ckpt" / ".metadata").read_bytes(), "ckpt").state_dict_metadata
+    shapes = worker.adapter_shapes()
+    assert len(shapes) == len(trainable)
+    assert lora_mismatch(saved, shapes, "ckpt") is None
+    assert "written with trainer.lora (it holds the adapters" in lora_mismatch(saved, {}, "ckpt")
+    assert "remove trainer.lora to resume it" in lora_mismatch(
+        {k: v for k, v in saved.items() if ".lora_" not in k}, shapes, "ckpt")
+    other_rank = {k: tuple(8 if d == LORA.rank else d for d in v) for k, v in shapes.items()}
+    assert f"written with trainer.lora.rank {LORA.rank}" in lora_mismatch(saved, other_rank, "ckpt")
+    fewer = {k: v for k, v in shapes.items() if ".down_proj." not in k}
+    assert "targetModules ['down_proj', 'q_proj', 'v_proj'], this run has ['q_proj', 'v_proj']" in \
+        lora_mismatch(saved, fewer, "ckpt")
 
     # Resume after step 1 into a fresh trainer: steps 1 and 2 again, bit for bit.
     resumed = _worker(model, port)

@@ -457,6 +457,13 @@ class TrainerWorker:
             model_sd = {k: v for k, v in model_sd.items() if is_adapter_name(k)}
         return model_sd, optim_sd
 
+    def adapter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The adapters' names in a checkpoint (``model.`` + state name) and global shapes; empty
+        without LoRA. A resume checks a checkpoint against them (kuberl.train.checkpoint)."""
+        if self.config.model.lora is None:
+            return {}
+        return {f"model.{k}": tuple(v.shape) for k, v in self._state()[0].items()}
+
     def export_hf(self, path: str) -> None:
         """The full model gathered to rank 0 and saved as a Hugging Face checkpoint (safetensors)
         with the tokenizer and, for trust_remote_code models, their code. With LoRA: the adapters
