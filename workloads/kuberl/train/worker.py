@@ -227,7 +227,8 @@ class TrainerWorker:
         # of the speed-up in bench/train_speed.py was not measured separately.
         # Offloaded, the parameters and moments are CPU tensors: the optimizer steps there, unfused.
         # With LoRA only the adapters train: neither gradients nor moments exist for the base.
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=config.lr, weight_decay=config.weight_decay,
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=config.lr,
+                                           weight_decay=config.weight_decay,
                                            fused=on_gpu and not config.model.cpu_offload)
         warmup = config.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -451,18 +452,22 @@ class TrainerWorker:
 
     def _state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options)
-        if self.config.model.lora is not None:
-            # ignore_frozen_params keeps a tied weight's second name (lm_head.weight, the whole
-            # embedding): the adapters' own tensors alone.
-            model_sd = {k: v for k, v in model_sd.items() if is_adapter_name(k)}
-        return model_sd, optim_sd
+        return self._adapters_only(model_sd), optim_sd
+
+    def _adapters_only(self, model_sd: dict[str, Any]) -> dict[str, Any]:
+        if self.config.model.lora is None:
+            return model_sd
+        # ignore_frozen_params keeps a tied weight's second name (lm_head.weight, the whole
+        # embedding): the adapters' own tensors alone.
+        return {k: v for k, v in model_sd.items() if is_adapter_name(k)}
 
     def adapter_shapes(self) -> dict[str, tuple[int, ...]]:
         """The adapters' names in a checkpoint (``model.`` + state name) and global shapes; empty
         without LoRA. A resume checks a checkpoint against them (kuberl.train.checkpoint)."""
         if self.config.model.lora is None:
             return {}
-        return {f"model.{k}": tuple(v.shape) for k, v in self._state()[0].items()}
+        model_sd = self._adapters_only(get_model_state_dict(self.model, options=self._state_options))
+        return {f"model.{k}": tuple(v.shape) for k, v in model_sd.items()}
 
     def export_hf(self, path: str) -> None:
         """The full model gathered to rank 0 and saved as a Hugging Face checkpoint (safetensors)
