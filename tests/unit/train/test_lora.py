@@ -169,6 +169,24 @@ def test_lora_on_one_unsharded_rank_trains_the_adapters_alone(tmp_path):
     worker.shutdown()
 
 
+def test_the_merged_weights_compute_what_the_adapted_layer_does():
+    """W + (alpha / r) B A under the layer's own name, its bias kept (Qwen2's q/k/v have one)."""
+    from kuberl.train.lora import merged_state_dict
+
+    model = nn.Sequential()
+    model.add_module("q_proj", nn.Linear(6, 5, bias=True))
+    options = LoraOptions(rank=2, alpha=6, target_modules=("q_proj",))
+    apply_lora(model, options, seed=0)
+    with torch.no_grad():
+        model.q_proj.lora_B.weight.normal_()
+    merged = merged_state_dict(model.state_dict(), options)
+    assert merged.keys() == {"q_proj.weight", "q_proj.bias"}
+    plain = nn.Linear(6, 5, bias=True)
+    plain.load_state_dict({k.removeprefix("q_proj."): v for k, v in merged.items()})
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(plain(x), model.q_proj(x))
+
+
 def test_a_target_the_model_lacks_is_refused_naming_the_field():
     model = nn.Sequential()
     model.add_module("q_proj", nn.Linear(4, 4))
