@@ -170,6 +170,25 @@ def test_transports_share_one_setup_and_refuse_sync_before_it():
             transport(spec, trainer_group=None, engine_pool=None).sync(1)
 
 
+def test_a_colocated_lora_sync_goes_through_gloo():
+    """NCCL refuses trainer rank 0 and the engine on its GPU in one communicator; adapters are small."""
+    from kuberl.api import RLTrainingJobSpec
+    from kuberl.sync.nccl import sync_backend
+
+    def spec(**trainer):
+        return RLTrainingJobSpec.model_validate({
+            "image": "kuberl/worker:test", "model": {"uri": "/models/m"}, "data": {"uri": "/data/p.jsonl"},
+            "trainer": {"gpusPerReplica": 1, **trainer}, "rollout": {"colocate": True}})
+
+    assert sync_backend(spec(lora={})) == "gloo"
+    assert sync_backend(spec()) == "nccl"
+    separate = spec(lora={})
+    separate.rollout.colocate = False
+    assert sync_backend(separate) == "nccl"
+    separate.trainer.gpus_per_replica = 0
+    assert sync_backend(separate) == "gloo"
+
+
 def test_lora_syncs_send_the_adapters_alone_as_a_peft_directory(tmp_path):
     """trainer.lora: the sender's metadata lists the adapters alone, under peft's names; nccl's
     receivers write what they received as a peft directory (the engine's first worker only), and

@@ -48,7 +48,7 @@ class NcclWeightSync(WeightSync):
 
     def __init__(self, spec, trainer_group, engine_pool, *, backend: str | None = None):
         super().__init__(spec, trainer_group, engine_pool)
-        self.backend = backend or ("nccl" if spec.trainer.gpus_per_replica > 0 else "gloo")
+        self.backend = backend or sync_backend(spec)
         self.key = f"nccl-{uuid.uuid4().hex[:8]}"
         self.store_address: tuple[str, int] | None = None  # the group's store (trainer rank 0)
 
@@ -136,6 +136,15 @@ class NcclWeightSync(WeightSync):
 
     def leave_engines(self) -> None:
         self.engine_pool.each("rpc", "kuberl_leave_group")
+
+
+def sync_backend(spec) -> str:
+    """NCCL between GPU trainers and engines, gloo on CPU. Colocated with trainer.lora, gloo too:
+    NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"), and trainer
+    rank 0 shares its GPU with an engine; the adapters are small enough to go through host memory."""
+    if spec.trainer.gpus_per_replica == 0 or (spec.rollout.colocate and spec.trainer.lora is not None):
+        return "gloo"
+    return "nccl"
 
 
 def first_line(err: BaseException) -> str:
