@@ -67,6 +67,10 @@ def test_lora_reward_rises_and_syncs_the_adapters_alone(run):
     per_sync = rows[1]["weight_sync_bytes"]
     print(f"\n{method}: bytes per sync, LoRA r={LORA['rank']} {per_sync} B against a full sync's {full} B "
           f"({full / per_sync:.1f}x fewer)")
+    # The engine's log-probs are the trainer's after every sync (the bounds test_grpo_gpu.py
+    # justifies for bf16; fp32 here): an engine missing the adapter would sample from the base.
+    assert max(rows[s]["engine_logprob_gap_mean"] for s in rows) <= 0.03, rows
+    assert max(rows[s]["engine_logprob_gap_max"] for s in rows) <= 0.5, rows
     if method == "nccl":
         rewards = [rows[s]["reward_mean"] for s in range(1, steps + 1)]
         first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
