@@ -55,6 +55,11 @@ def _worker(model_path: str, port: int, lora: LoraOptions | None = LORA, *, fsdp
                          device=torch.device("cpu"))
 
 
+def _saved(name: str) -> str:
+    """peft's saved name of the trainer's adapter parameter ``name`` (its adapter name dropped)."""
+    return ADAPTER_PREFIX + name.replace(".default.", ".")
+
+
 def _params(worker) -> dict[str, torch.Tensor]:
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
             for k, v in worker.model.named_parameters()}
@@ -99,12 +104,12 @@ def test_lora_trains_only_the_adapters_syncs_them_and_resumes_exactly(tmp_path):
 
     # The sync sends the adapters alone, under peft's saved names, as trained.
     metas = param_metas(worker.model, torch.float32)
-    assert {m.name for m in metas} == {ADAPTER_PREFIX + k for k in trainable}
+    assert {m.name for m in metas} == {_saved(k) for k in trainable}
     sent = {m.name: t for bucket, tensors in iter_buckets(worker.model, plan_buckets(metas, 1 << 20),
                                                           torch.device("cpu"))
             for m, t in zip(bucket.metas, tensors)}
     for name in trainable:
-        assert torch.equal(sent[ADAPTER_PREFIX + name], after[name])
+        assert torch.equal(sent[_saved(name)], after[name])
     adapter_bytes = sum(m.nbytes for m in metas)
     full_bytes = sum(v.numel() * 4 for k, v in after.items() if k not in trainable)
     print(f"\nbytes per sync, fp32: LoRA r={LORA.rank} adapters {adapter_bytes} B, full model {full_bytes} B "
@@ -145,8 +150,8 @@ def test_lora_trains_only_the_adapters_syncs_them_and_resumes_exactly(tmp_path):
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", LORA.rank, LORA.alpha)
     assert sorted(config["target_modules"]) == sorted(LORA.target_modules)
     saved = load_file(adapter / ADAPTER_WEIGHTS)
-    assert saved.keys() == {ADAPTER_PREFIX + k for k in trainable}
-    assert all(torch.equal(saved[ADAPTER_PREFIX + k], after[k]) for k in trainable)
+    assert saved.keys() == {_saved(k) for k in trainable}
+    assert all(torch.equal(saved[_saved(k)], after[k]) for k in trainable)
     assert not (tmp_path / "export" / "model.safetensors").exists()
 
     resumed.config.model.lora = dataclasses.replace(LORA, merge_on_export=True)
@@ -169,22 +174,30 @@ def test_lora_on_one_unsharded_rank_trains_the_adapters_alone(tmp_path):
     worker.shutdown()
 
 
-def test_the_merged_weights_compute_what_the_adapted_layer_does():
-    """W + (alpha / r) B A under the layer's own name, its bias kept (Qwen2's q/k/v have one)."""
+def test_the_merged_weights_compute_what_the_adapted_model_does():
+    """peft's merge_and_unload, W + (alpha / r) B A under each layer's own name, biases kept
+    (Qwen2's q/k/v projections have one): the plain model it gives scores as the adapted one."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
     from kuberl.train.lora import merged_state_dict
 
-    model = nn.Sequential()
-    model.add_module("q_proj", nn.Linear(6, 5, bias=True))
-    options = LoraOptions(rank=2, alpha=6, target_modules=("q_proj",))
+    config = Qwen2Config(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=32)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    options = LoraOptions(rank=2, alpha=6, target_modules=("q_proj", "down_proj"))
     apply_lora(model, options, seed=0)
     with torch.no_grad():
-        model.q_proj.lora_B.weight.normal_()
-    merged = merged_state_dict(model.state_dict(), options)
-    assert merged.keys() == {"q_proj.weight", "q_proj.bias"}
-    plain = nn.Linear(6, 5, bias=True)
-    plain.load_state_dict({k.removeprefix("q_proj."): v for k, v in merged.items()})
-    x = torch.randn(3, 6)
-    torch.testing.assert_close(plain(x), model.q_proj(x))
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_()
+    merged = merged_state_dict(model, {k: v.clone() for k, v in model.state_dict().items()}, options, config)
+    assert not any(".lora_" in k or ".base_layer." in k for k in merged)
+    assert "model.layers.0.self_attn.q_proj.bias" in merged
+    plain = AutoModelForCausalLM.from_config(config)
+    plain.load_state_dict(merged)
+    tokens = torch.randint(0, 64, (2, 7))
+    torch.testing.assert_close(plain(tokens).logits, model(tokens).logits)
 
 
 def test_a_target_the_model_lacks_is_refused_naming_the_field():

@@ -1,16 +1,15 @@
 """A LoRA adapter on disk, in peft's format: what the trainer exports and what the engines load.
 
-``adapter_config.json`` (peft's LoraConfig fields) and ``adapter_model.safetensors`` with the keys
-``base_model.model.<module path>.lora_A.weight`` / ``.lora_B.weight``. peft, transformers and vLLM
-all load it; vLLM reads it from a directory (``LoRARequest(lora_path=...)``), so every sync method
-with ``trainer.lora`` ends in such a directory next to the engine (kuberl.rollout.engine).
-Both ends of the weight sync use it: the trainer writes it, the engine workers (nccl) write what
-they received.
+``adapter_config.json`` (peft's ``LoraConfig``, saved by peft) and ``adapter_model.safetensors``
+with peft's saved keys, ``base_model.model.<module path>.lora_A.weight`` / ``.lora_B.weight``.
+peft, transformers and vLLM all load it; vLLM reads it from a directory
+(``LoRARequest(lora_path=...)``), so every sync method with ``trainer.lora`` ends in such a
+directory next to the engine (kuberl.rollout.engine). Both ends of the weight sync use it: the
+trainer writes it, the engine workers (nccl) write what they received.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -20,51 +19,59 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # Where a LoRA job's Hugging Face export keeps its adapter, beside the merged model if any.
 ADAPTER_EXPORT_DIR = "adapter"
-# peft names a saved adapter's tensors after the wrapped model (PeftModel.base_model.model).
+# PeftModel.save_pretrained names the tensors after the wrapped model (PeftModel.base_model.model);
+# the trainer injects the adapters into the plain model (peft.inject_adapter_in_model), whose names
+# lack it.
 ADAPTER_PREFIX = "base_model.model."
-# The adapter's own parameters, by the last segments of their names.
-ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
 
 def is_adapter_name(name: str) -> bool:
-    return name.endswith(ADAPTER_SUFFIXES)
+    """An adapter's parameter, under the trainer's name (``...q_proj.lora_A.default.weight``) or
+    the saved one (``...q_proj.lora_A.weight``)."""
+    return ".lora_A." in name or ".lora_B." in name
 
 
-def adapter_key(name: str) -> str:
-    """The saved name of the adapter parameter ``name`` (a Hugging Face module path)."""
-    return ADAPTER_PREFIX + name
+def lora_config(*, rank: int, alpha: int, dropout: float, target_modules: list[str], base_model: str = ""):
+    """peft's LoraConfig for the adapters kuberl trains: plain LoRA (no bias, no DoRA, no rsLoRA,
+    no modules_to_save), which is all vLLM's loader accepts."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=sorted(target_modules),
+                      bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model or None)
 
 
-def adapter_config(*, rank: int, alpha: int, dropout: float, target_modules: list[str],
-                   base_model: str = "") -> dict:
-    """peft's LoraConfig as saved, for the adapters kuberl trains: plain LoRA (no bias, no DoRA,
-    no rsLoRA, no modules_to_save), which is all vLLM's loader accepts."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-            "lora_dropout": dropout, "target_modules": sorted(target_modules), "bias": "none",
-            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
-            "init_lora_weights": True, "base_model_name_or_path": base_model}
-
-
-def spec_adapter_config(spec) -> dict | None:
-    """``spec.trainer.lora``'s adapter config, or None without LoRA (the sync sends full weights)."""
+def spec_adapter_config(spec):
+    """``spec.trainer.lora``'s LoraConfig, or None without LoRA (the sync sends full weights)."""
     lora = spec.trainer.lora
     if lora is None:
         return None
-    return adapter_config(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                          target_modules=list(lora.target_modules))
+    return lora_config(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                       target_modules=list(lora.target_modules))
 
 
-def save_adapter(directory: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> int:
-    """Write ``tensors`` (saved names) and ``config`` into ``directory``; the weights file is
-    renamed into place complete, the config written last (a reader that finds the config finds
-    the weights). Returns the bytes of the weights file."""
+def saved_adapter(model: torch.nn.Module, state: dict) -> dict:
+    """The adapter's entries of ``state`` (the trainer model's names: its parameters, or a state
+    dict of it) under peft's saved names, as PeftModel.save_pretrained writes them."""
+    from peft import get_peft_model_state_dict
+
+    # save_embedding_layers=False: embeddings are never targeted (LORA_TARGET_MODULES), and "auto"
+    # would look the base model up on the Hub.
+    return {ADAPTER_PREFIX + name: value for name, value in
+            get_peft_model_state_dict(model, state_dict=state, save_embedding_layers=False).items()}
+
+
+def save_adapter(directory: str | Path, tensors: dict[str, torch.Tensor], config) -> int:
+    """Write ``tensors`` (saved names) and ``config`` (a LoraConfig) into ``directory`` as
+    PeftModel.save_pretrained does; the weights file is renamed into place complete, the config
+    written last (a reader that finds the config finds the weights). Returns the weights' bytes."""
     from safetensors.torch import save_file
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     weights = out / ADAPTER_WEIGHTS
     partial = weights.with_suffix(".partial")
-    save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, str(partial))
+    save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, str(partial),
+              metadata={"format": "pt"})
     os.replace(partial, weights)
-    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    config.save_pretrained(str(out))
     return weights.stat().st_size

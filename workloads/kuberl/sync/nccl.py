@@ -233,7 +233,7 @@ class NcclReceiver:
         device = self._kuberl_device() if group.backend == "nccl" else torch.device("cpu")
         return self._kuberl_load(_received(group, plan_buckets(from_wire(metas), bucket_bytes), device))
 
-    def kuberl_receive_adapter(self, metas: list, bucket_bytes: int, config: dict, directory: str) -> int:
+    def kuberl_receive_adapter(self, metas: list, bucket_bytes: int, config, directory: str) -> int:
         """trainer.lora: receive the adapters and write them into ``directory`` in peft's format,
         for the engine to load (every tensor-parallel worker receives; the first one writes)."""
         group: SyncGroup = self._kuberl_group

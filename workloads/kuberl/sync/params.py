@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
-from kuberl.sync.adapter import adapter_key, is_adapter_name
+from kuberl.sync.adapter import saved_adapter
 from kuberl.sync.buckets import Bucket, ParamMeta, dtype_name
 
 # Wrappers (activation checkpointing, torch.compile, FSDP1) insert these into parameter names;
@@ -26,8 +26,9 @@ def sync_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """What a sync sends, under the name the engines know it by: every parameter; or, when the
     model trains LoRA adapters, only theirs (the engines hold the frozen base already)."""
     named = [(hf_name(name), p) for name, p in model.named_parameters()]
-    adapters = [(adapter_key(name), p) for name, p in named if is_adapter_name(name)]
-    return iter(adapters or named)
+    if getattr(model, "peft_config", None) is None:
+        return iter(named)
+    return iter(saved_adapter(model, dict(named)).items())
 
 
 def param_metas(model: torch.nn.Module, wire_dtype: torch.dtype) -> list[ParamMeta]:

@@ -95,7 +95,7 @@ def write_snapshot(worker, directory: str, meta_list: list[ParamMeta], bucket_by
     return paths
 
 
-def write_adapter(worker, directory: str, meta_list: list[ParamMeta], bucket_bytes: int, config: dict) -> int:
+def write_adapter(worker, directory: str, meta_list: list[ParamMeta], bucket_bytes: int, config) -> int:
     """trainer.lora: rank 0 writes the adapters (``meta_list`` is theirs alone) as one peft
     adapter directory; every rank joins the gathers. Returns the weights file's bytes (0 elsewhere)."""
     tensors = {}

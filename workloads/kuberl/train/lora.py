@@ -1,28 +1,24 @@
-"""spec.trainer.lora on the trainer: each targeted linear layer gets a low-rank adapter
-``W x + (alpha / r) B A x``; the base stays frozen and only A and B train.
+"""spec.trainer.lora on the trainer, with peft: each targeted linear layer becomes peft's LoRA
+layer, ``W x + (alpha / r) B A x``; the base stays frozen and only A and B train.
 
-The adapter layer is kuberl's own, not peft's: peft is not in this project's environment
-(pyproject.toml, uv.lock), and plain LoRA is one small module. It keeps peft's module layout
-(``<proj>.base_layer``, ``<proj>.lora_A``, ``<proj>.lora_B``) and saves in peft's file format
-(kuberl.sync.adapter), so peft, transformers and vLLM load what it exports.
-
-The adapters are added to the meta-device model before ``fully_shard``: FSDP2 shards frozen and
-trainable parameters of one layer together (its groups need not agree on ``requires_grad``), and
-the optimizer gets the trainable ones alone.
+peft injects the adapters into the plain Hugging Face model (``inject_adapter_in_model``, not
+``get_peft_model``): the model keeps its own parameter names (plus peft's ``base_layer`` /
+``lora_A.default`` / ``lora_B.default``), so FSDP2's per-layer sharding, checkpoints and the weight
+sync see the same tree with and without LoRA. The adapters are injected into the meta-device model
+before ``fully_shard``: FSDP2 shards frozen and trainable parameters of one layer together (its
+groups need not agree on ``requires_grad``), and the optimizer gets the trainable ones alone.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from kuberl.api.types import LORA_TARGET_MODULES
-from kuberl.sync.adapter import adapter_config
+from kuberl.sync.adapter import is_adapter_name, lora_config, saved_adapter
 
 
 @dataclass(frozen=True)
@@ -35,14 +31,10 @@ class LoraOptions:
     # The adapters' initial A, drawn on rank 0 (spec.algorithm.seed): a rerun starts from the same.
     seed: int = 0
 
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
-
-    def config(self, base_model: str = "") -> dict:
-        """The adapter's peft config (adapter_config.json)."""
-        return adapter_config(rank=self.rank, alpha=self.alpha, dropout=self.dropout,
-                              target_modules=list(self.target_modules), base_model=base_model)
+    def config(self, base_model: str = ""):
+        """The adapter's peft LoraConfig (adapter_config.json)."""
+        return lora_config(rank=self.rank, alpha=self.alpha, dropout=self.dropout,
+                           target_modules=list(self.target_modules), base_model=base_model)
 
     @classmethod
     def from_spec(cls, lora, seed: int) -> "LoraOptions | None":
@@ -52,85 +44,57 @@ class LoraOptions:
                    target_modules=tuple(lora.target_modules), merge_on_export=lora.merge_on_export, seed=seed)
 
 
-class LoraLinear(nn.Module):
-    """A frozen ``nn.Linear`` plus its adapter. B starts at zero: the wrapped model starts as the
-    base model exactly."""
-
-    def __init__(self, base: nn.Linear, options: LoraOptions):
-        super().__init__()
-        self.base_layer = base
-        like = {"device": base.weight.device, "dtype": base.weight.dtype}
-        self.lora_A = nn.Linear(base.in_features, options.rank, bias=False, **like)
-        self.lora_B = nn.Linear(options.rank, base.out_features, bias=False, **like)
-        self.lora_dropout = nn.Dropout(options.dropout) if options.dropout else nn.Identity()
-        self.scaling = options.scaling
-        self.enabled = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base_layer(x)
-        if not self.enabled:
-            return out
-        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
-
-
 def apply_lora(model: nn.Module, options: LoraOptions, *, seed: int | None = None) -> nn.Module:
-    """Wrap every ``nn.Linear`` whose name's last segment is in ``options.target_modules``, freeze
-    everything else. ``seed``: initialise A as peft does (Kaiming-uniform) and B to zero, from
-    this seed (rank 0's source model, whose values every rank receives); None leaves them as
-    built (a meta-device model, filled by that broadcast)."""
-    found = {name: 0 for name in options.target_modules}
-    targets = [(name, module) for name, module in model.named_modules()
-               if name.rpartition(".")[2] in found and isinstance(module, nn.Linear)]
-    for name, _ in targets:
-        found[name.rpartition(".")[2]] += 1
-    missing = [name for name, count in found.items() if not count]
+    """Inject peft's LoRA layers into every ``nn.Linear`` whose name's last segment is in
+    ``options.target_modules``; everything else frozen. ``seed``: peft's initialisation (A
+    Kaiming-uniform, B zero) drawn from this seed (rank 0's source model, whose values every rank
+    receives); None on a meta-device model, filled by that broadcast."""
+    from peft import inject_adapter_in_model
+
+    present = {name.rpartition(".")[2] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    # peft refuses only a list of which none matches; a job that names one module the model lacks
+    # is as wrong.
+    missing = [name for name in options.target_modules if name not in present]
     if missing:
         raise ValueError(f"spec.trainer.lora.targetModules: {missing} match no linear layer of "
                          f"{type(model).__name__} (Mixture-of-Experts experts are fused, not linear "
                          f"layers); list only modules the model has")
-    model.requires_grad_(False)
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    for name, base in targets:
-        parent_name, _, child = name.rpartition(".")
-        layer = LoraLinear(base, options)
-        if generator is not None:
-            with torch.no_grad():
-                nn.init.kaiming_uniform_(layer.lora_A.weight, a=math.sqrt(5), generator=generator)
-                nn.init.zeros_(layer.lora_B.weight)
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        inject_adapter_in_model(options.config(), model)
     return model
 
 
 def has_adapters(model: nn.Module) -> bool:
-    return any(isinstance(m, LoraLinear) for m in model.modules())
+    return getattr(model, "peft_config", None) is not None
 
 
-@contextlib.contextmanager
-def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """The base model's forward: the reference policy of klCoef, without a second copy of it."""
-    layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
-    for layer in layers:
-        layer.enabled = False
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.enabled = True
+def adapters_disabled(model: nn.Module) -> contextlib.AbstractContextManager:
+    """The base model's forward: the reference policy of klCoef, without a second copy of it.
+    peft's adapter scaling set to 0 (``W x + 0``, the base's values exactly), not its
+    ``enable_adapters(False)``: that also sets ``requires_grad``, which FSDP2 reads when it first
+    builds a layer's unsharded parameters, so a reference forward would freeze the adapters."""
+    from peft.helpers import rescale_adapter_scale
+
+    return rescale_adapter_scale(model, 0)
 
 
-def merged_state_dict(state: dict[str, torch.Tensor], options: LoraOptions) -> dict[str, torch.Tensor]:
-    """A full (gathered) state dict of the adapted model as the base model's: ``W + scaling B A``
-    under each layer's own name, the adapters gone (a plain Hugging Face checkpoint)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, value in state.items():
-        if ".lora_A." in name or ".lora_B." in name:
-            continue
-        if ".base_layer." not in name:
-            out[name] = value
-            continue
-        layer, _, param = name.partition(".base_layer.")
-        if param == "weight":
-            a, b = state[f"{layer}.lora_A.weight"], state[f"{layer}.lora_B.weight"]
-            value = (value.float() + options.scaling * (b.float() @ a.float())).to(value.dtype)
-        out[f"{layer}.{param}"] = value
-    return out
+def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor], options: LoraOptions,
+                      hf_config) -> dict[str, torch.Tensor]:
+    """The gathered full state dict ``state`` of the adapted ``model`` as the base model's with the
+    adapter merged in (``W + scaling B A`` under each layer's own name, peft's ``merge_and_unload``):
+    a plain Hugging Face checkpoint. On rank 0."""
+    from peft import get_peft_model, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    # merge_and_unload adds B A into the targeted weights in place; a one-rank trainer's gathered
+    # state may be its live parameters, so those are copied first.
+    base = {name.replace(".base_layer.", "."): value.clone() if ".base_layer." in name else value
+            for name, value in state.items() if not is_adapter_name(name)}
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(hf_config)
+    plain.load_state_dict(base, assign=True)
+    peft_model = get_peft_model(plain, options.config())
+    set_peft_model_state_dict(peft_model, saved_adapter(model, state))
+    return peft_model.merge_and_unload().state_dict()

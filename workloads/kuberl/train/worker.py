@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 
 from kuberl.common.samples import Sample, SampleError, TrainBatch
-from kuberl.sync.adapter import ADAPTER_EXPORT_DIR, adapter_key, is_adapter_name, save_adapter
+from kuberl.sync.adapter import ADAPTER_EXPORT_DIR, is_adapter_name, save_adapter, saved_adapter
 from kuberl.train import loss as L
 from kuberl.train import packing
 from kuberl.train.algorithms import registry
@@ -479,17 +479,14 @@ class TrainerWorker:
             adapters = get_model_state_dict(self.model, options=StateDictOptions(
                 full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
             if self.rank == 0:
-                save_adapter(Path(path) / ADAPTER_EXPORT_DIR,
-                             {adapter_key(k): v for k, v in adapters.items() if is_adapter_name(k)}, lora.config())
+                save_adapter(Path(path) / ADAPTER_EXPORT_DIR, saved_adapter(self.model, adapters), lora.config())
             dist.barrier()
             return
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
             if lora is not None:
-                save_adapter(Path(path) / ADAPTER_EXPORT_DIR,
-                             {adapter_key(k): v for k, v in full.items() if is_adapter_name(k)},
-                             lora.config())
-                full = merged_state_dict(full, lora)
+                save_adapter(Path(path) / ADAPTER_EXPORT_DIR, saved_adapter(self.model, full), lora.config())
+                full = merged_state_dict(self.model, full, lora, self.hf_config)
             self._save_hf(path, full)
         dist.barrier()
 
