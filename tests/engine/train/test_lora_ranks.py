@@ -2,7 +2,12 @@
 weights and trainable adapters in the same groups. After three steps the base is unchanged on
 every rank, the adapters moved, every rank gathers the same adapters for the weight sync, and the
 losses are a one-rank trainer's on the same batches (tests/unit/train/test_lora.py runs that
-trainer alone)."""
+trainer alone).
+
+Each rank writes its results to a file: through a multiprocessing queue, a result larger than the
+pipe's buffer (the adapters are ~100 KB) blocks the rank in ``put`` while the parent waits in
+``join``, which hung this test. Each rank also dies with its stack dumped if it is still running
+after RANK_TIMEOUT_S (a collective only one rank entered), so the test fails instead of hanging."""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from kuberl.common.ports import unclaimed_port
 from kuberl.driver.tiny import make_model
 
 STEPS = 3
+RANK_TIMEOUT_S = 240
+pytestmark = pytest.mark.timeout(2 * RANK_TIMEOUT_S + 60)
 
 
 def _batch(step: int):
@@ -25,7 +32,9 @@ def _batch(step: int):
                               advantage=float(i % 3) - 1.0, group=i // 2) for i in range(8)])
 
 
-def _rank(rank: int, world: int, port: int, model_path: str, results) -> None:
+def _rank(rank: int, world: int, port: int, model_path: str, out: str) -> None:
+    import faulthandler
+
     from torch.distributed.tensor import DTensor
 
     from kuberl.sync.buckets import plan_buckets
@@ -34,6 +43,7 @@ def _rank(rank: int, world: int, port: int, model_path: str, results) -> None:
     from kuberl.train.model import ModelOptions
     from kuberl.train.worker import TrainerConfig, TrainerWorker
 
+    faulthandler.dump_traceback_later(RANK_TIMEOUT_S, exit=True)
     config = TrainerConfig(lr=1e-2, micro_batch_size=2, model=ModelOptions(
         gradient_checkpointing=False, shard_single_rank=True, lora=LoraOptions(rank=8, alpha=16)))
     worker = TrainerWorker(model_path, config, rank=rank, world_size=world, master_addr="127.0.0.1",
@@ -49,21 +59,18 @@ def _rank(rank: int, world: int, port: int, model_path: str, results) -> None:
     sent = {m.name: t for bucket, tensors in iter_buckets(worker.model, plan_buckets(metas, 1 << 16),
                                                           torch.device("cpu"))
             for m, t in zip(bucket.metas, tensors)}
-    # numpy: pickled by value (a tensor would travel as shared memory its exited process owned).
-    results.put((world, rank, (losses, unchanged, {k: t.numpy() for k, t in sent.items()})))
+    torch.save((losses, unchanged, sent), f"{out}/{world}-{rank}.pt")
     worker.shutdown()
+    faulthandler.cancel_dump_traceback_later()
 
 
 def test_lora_shards_frozen_and_trainable_parameters_together(tmp_path):
     model_path = str(make_model(tmp_path / "model", seed=7))
-    queue = mp.get_context("spawn").SimpleQueue()
     for world in (2, 1):
-        mp.start_processes(_rank, args=(world, unclaimed_port(), model_path, queue), nprocs=world, join=True,
-                           start_method="spawn")
-    results = {}
-    while not queue.empty():
-        world, rank, (losses, unchanged, sent) = queue.get()
-        results[(world, rank)] = losses, unchanged, {k: torch.from_numpy(v) for k, v in sent.items()}
+        mp.start_processes(_rank, args=(world, unclaimed_port(), model_path, str(tmp_path)), nprocs=world,
+                           join=True, start_method="spawn")
+    results = {(world, rank): torch.load(tmp_path / f"{world}-{rank}.pt")
+               for world, rank in ((2, 0), (2, 1), (1, 0))}
     (losses0, unchanged0, sent0), (losses1, unchanged1, sent1) = results[(2, 0)], results[(2, 1)]
     assert unchanged0 and unchanged1
     assert losses0 == losses1
