@@ -215,7 +215,7 @@ def test_lora_syncs_send_the_adapters_alone_as_a_peft_directory(tmp_path):
     want = {"base_model.model." + n.replace(".default.", "."): p.detach()
             for n, p in model.named_parameters() if p.requires_grad}
     assert {m.name for m in metas} == set(want) and len(want) == 8
-    config = options.config()
+    config = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 
     store, key = open_store("127.0.0.1"), "test-lora"
     results: dict[int, int] = {}

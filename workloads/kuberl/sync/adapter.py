@@ -40,13 +40,15 @@ def lora_config(*, rank: int, alpha: int, dropout: float, target_modules: list[s
                       bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model or None)
 
 
-def spec_adapter_config(spec):
-    """``spec.trainer.lora``'s LoraConfig, or None without LoRA (the sync sends full weights)."""
+def spec_adapter_options(spec) -> dict | None:
+    """``spec.trainer.lora`` as ``lora_config``'s keyword arguments, or None without LoRA (the sync
+    sends full weights). A dict, not the LoraConfig: vLLM's collective_rpc serialises a dataclass
+    argument into a plain dict on its way to the workers."""
     lora = spec.trainer.lora
     if lora is None:
         return None
-    return lora_config(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                       target_modules=list(lora.target_modules))
+    return {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+            "target_modules": list(lora.target_modules)}
 
 
 def saved_adapter(model: torch.nn.Module, state: dict) -> dict:

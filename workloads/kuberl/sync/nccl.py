@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kuberl.sync.adapter import save_adapter, spec_adapter_config
+from kuberl.sync.adapter import lora_config, save_adapter, spec_adapter_options
 from kuberl.sync.base import EnginesLostInSync, SyncStats, WeightSync
 from kuberl.sync.buckets import ParamMeta, from_wire, pack, plan_buckets, to_wire, unpack
 from kuberl.sync.group import SyncAborted, SyncGroup, node_ip, open_store, raise_abort
@@ -71,7 +71,7 @@ class NcclWeightSync(WeightSync):
         import ray
 
         start = time.perf_counter()
-        adapter = spec_adapter_config(self.spec)
+        adapter = spec_adapter_options(self.spec)
         # trainer.lora: the same broadcast carries the adapters alone (``meta_list`` is theirs);
         # each engine's workers write them into a directory of the engine's, which it loads.
         calls = {(engine.update_adapter.remote("kuberl_receive_adapter",
@@ -233,7 +233,7 @@ class NcclReceiver:
         device = self._kuberl_device() if group.backend == "nccl" else torch.device("cpu")
         return self._kuberl_load(_received(group, plan_buckets(from_wire(metas), bucket_bytes), device))
 
-    def kuberl_receive_adapter(self, metas: list, bucket_bytes: int, config, directory: str) -> int:
+    def kuberl_receive_adapter(self, metas: list, bucket_bytes: int, options: dict, directory: str) -> int:
         """trainer.lora: receive the adapters and write them into ``directory`` in peft's format,
         for the engine to load (every tensor-parallel worker receives; the first one writes)."""
         group: SyncGroup = self._kuberl_group
@@ -241,7 +241,7 @@ class NcclReceiver:
         tensors = {name: t.to("cpu", copy=True)
                    for name, t in _received(group, plan_buckets(from_wire(metas), bucket_bytes), device)}
         if int(getattr(self, "rank", 0)) == 0:
-            save_adapter(directory, tensors, config)
+            save_adapter(directory, tensors, lora_config(**options))
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def kuberl_leave_group(self) -> None:

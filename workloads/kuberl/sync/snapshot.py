@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kuberl.sync.adapter import ADAPTER_WEIGHTS, save_adapter, spec_adapter_config
+from kuberl.sync.adapter import ADAPTER_WEIGHTS, lora_config, save_adapter, spec_adapter_options
 from kuberl.sync.base import SyncStats, WeightSync
 from kuberl.sync.buckets import ParamMeta, plan_buckets
 from kuberl.sync.params import iter_buckets
@@ -60,7 +60,7 @@ class SnapshotWeightSync(WeightSync):
         meta_list = self.metas
         start = time.perf_counter()
         directory = str(self.root / self.key / f"v{version:08d}")
-        adapter = spec_adapter_config(self.spec)
+        adapter = spec_adapter_options(self.spec)
         try:
             if adapter is not None:
                 self.trainer_group.execute(write_adapter, directory, meta_list, self.bucket_bytes, adapter)
@@ -95,7 +95,7 @@ def write_snapshot(worker, directory: str, meta_list: list[ParamMeta], bucket_by
     return paths
 
 
-def write_adapter(worker, directory: str, meta_list: list[ParamMeta], bucket_bytes: int, config) -> int:
+def write_adapter(worker, directory: str, meta_list: list[ParamMeta], bucket_bytes: int, options: dict) -> int:
     """trainer.lora: rank 0 writes the adapters (``meta_list`` is theirs alone) as one peft
     adapter directory; every rank joins the gathers. Returns the weights file's bytes (0 elsewhere)."""
     tensors = {}
@@ -103,7 +103,7 @@ def write_adapter(worker, directory: str, meta_list: list[ParamMeta], bucket_byt
                                                torch.device("cpu")):
         if worker.rank == 0:
             tensors.update((meta.name, t) for meta, t in zip(bucket.metas, bucket_tensors))
-    return save_adapter(directory, tensors, config) if worker.rank == 0 else 0
+    return save_adapter(directory, tensors, lora_config(**options)) if worker.rank == 0 else 0
 
 
 def remove_snapshot(worker, directory: str) -> None:
