@@ -66,15 +66,12 @@ def apply_lora(model: nn.Module, options: LoraOptions, *, seed: int | None = Non
     return model
 
 
-def has_adapters(model: nn.Module) -> bool:
-    return getattr(model, "peft_config", None) is not None
-
-
 def adapters_disabled(model: nn.Module) -> contextlib.AbstractContextManager:
     """The base model's forward: the reference policy of klCoef, without a second copy of it.
     peft's adapter scaling set to 0 (``W x + 0``, the base's values exactly), not its
-    ``enable_adapters(False)``: that also sets ``requires_grad``, which FSDP2 reads when it first
-    builds a layer's unsharded parameters, so a reference forward would freeze the adapters."""
+    ``enable_adapters(False)/(True)``: that also flips ``requires_grad``, and under FSDP2 the
+    adapters stayed frozen after one reference forward (none in the state dict, none trained by
+    the next step: the flag set back after the forward lands on the unsharded parameters)."""
     from peft.helpers import rescale_adapter_scale
 
     return rescale_adapter_scale(model, 0)
