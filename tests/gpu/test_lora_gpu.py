@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from tests.engine.driver.test_lora_e2e import LEARNING_RATE, LORA, peak_logits
 from tests.gpu.test_grpo_gpu import MAX_GAP, MEAN_GAP, STEPS, manifest
 
 pytest.importorskip("vllm")
@@ -28,14 +29,13 @@ def test_colocated_lora_on_one_gpu_learns_the_tiny_task_and_syncs_the_adapters(t
     from kuberl.driver import tiny
 
     model = tiny.make_model(tmp_path / "model")
+    peak_logits(model)  # LoRA freezes the norms and embeddings: a flat base barely learns (test_lora_e2e.py)
     data = tiny.make_data(tmp_path / "data.jsonl")
     job = manifest(str(model), str(data), str(tmp_path / "checkpoints"))
     job["metadata"]["name"] = "lora-one-gpu-tiny"
-    job["spec"]["trainer"]["lora"] = {"rank": 8, "alpha": 16}
+    job["spec"]["trainer"]["lora"] = {k: v for k, v in LORA.items() if k != "mergeOnExport"}
     job["spec"]["weightSync"] = {"method": "nccl"}
-    # The adapters start at zero and move the policy through a rank-8 update only: a higher rate
-    # than the whole model's 3e-3 (tests/engine/driver/test_lora_e2e.py uses the same on CPU).
-    job["spec"]["algorithm"]["learningRate"] = 1e-2
+    job["spec"]["algorithm"]["learningRate"] = LEARNING_RATE  # as on CPU (test_lora_e2e.py)
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job))
     metrics = tmp_path / "metrics.jsonl"

@@ -26,6 +26,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 # The checkpoint method's run only shows the engines load each version from the trainer's files.
 CHECKPOINT_METHOD_STEPS = 4
 # alpha 4x the rank and learningRate 3e-2 (10x full training's 3e-3 in embedded_job).
+# tests/gpu/test_lora_gpu.py uses the same settings and base.
+LEARNING_RATE = 3e-2
 LORA = {"rank": 8, "alpha": 32, "mergeOnExport": True}
 STEPS = 30
 # The random tiny model's logits are flat (entropy 4.80 of ln 128 = 4.85): its final RMSNorm (weight
@@ -37,7 +39,8 @@ STEPS = 30
 FINAL_NORM_SCALE = 8.0
 
 
-def _peaked(model_dir) -> None:
+def peak_logits(model_dir) -> None:
+    """The tiny model in ``model_dir`` with its final norm's weight scaled (FINAL_NORM_SCALE)."""
     from safetensors.torch import load_file, save_file
 
     path = model_dir / "model.safetensors"
@@ -53,11 +56,11 @@ def run(request, tmp_path_factory):
     method = request.param
     tmp = tmp_path_factory.mktemp(f"lora-{method}")
     job = embedded_job(tmp / "tiny")
-    _peaked(tmp / "tiny" / "model")
+    peak_logits(tmp / "tiny" / "model")
     manifest = job.model_dump(by_alias=True, exclude_none=True, mode="json", exclude={"status"})
     manifest["metadata"] = {"name": f"e2e-lora-{method}"}
     steps = STEPS if method == "nccl" else CHECKPOINT_METHOD_STEPS
-    manifest["spec"]["algorithm"].update(totalSteps=steps, learningRate=3e-2)
+    manifest["spec"]["algorithm"].update(totalSteps=steps, learningRate=LEARNING_RATE)
     manifest["spec"]["trainer"]["lora"] = LORA
     manifest["spec"]["weightSync"] = {"method": method}
     manifest["spec"]["checkpoint"] = {"uri": str(tmp / "checkpoints"), "intervalSteps": steps,

@@ -31,13 +31,13 @@ def is_adapter_name(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def lora_config(*, rank: int, alpha: int, dropout: float, target_modules: list[str], base_model: str = ""):
+def lora_config(*, rank: int, alpha: int, dropout: float, target_modules: list[str]):
     """peft's LoraConfig for the adapters kuberl trains: plain LoRA (no bias, no DoRA, no rsLoRA,
     no modules_to_save), which is all vLLM's loader accepts."""
     from peft import LoraConfig
 
     return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=sorted(target_modules),
-                      bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model or None)
+                      bias="none", task_type="CAUSAL_LM")
 
 
 def spec_adapter_options(spec) -> dict | None:

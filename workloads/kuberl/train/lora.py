@@ -31,10 +31,10 @@ class LoraOptions:
     # The adapters' initial A, drawn on rank 0 (spec.algorithm.seed): a rerun starts from the same.
     seed: int = 0
 
-    def config(self, base_model: str = ""):
+    def config(self):
         """The adapter's peft LoraConfig (adapter_config.json)."""
         return lora_config(rank=self.rank, alpha=self.alpha, dropout=self.dropout,
-                           target_modules=list(self.target_modules), base_model=base_model)
+                           target_modules=list(self.target_modules))
 
     @classmethod
     def from_spec(cls, lora, seed: int) -> "LoraOptions | None":
