@@ -31,3 +31,18 @@ def test_the_token_budget_is_the_engines_context_and_each_responses_share(tmp_pa
     spec.rollout = budget
     args = engine_kwargs(spec, str(tmp_path / "tiny" / "model"), "tiny", engine_index=0, on_cpu=True)
     assert args["max_model_len"] == 4096
+
+
+def test_lora_engines_serve_one_adapter_of_a_rank_vllm_allows(tmp_path):
+    """vLLM's max_lora_rank takes a few values only; the trainer's rank may be any up to it."""
+    from kuberl.api.types import LoraSpec
+    from kuberl.driver.__main__ import embedded_job
+    from kuberl.rollout.engine import engine_kwargs
+
+    spec = embedded_job(tmp_path / "tiny").spec
+    assert "enable_lora" not in engine_kwargs(spec, "m", "tiny", engine_index=0, on_cpu=True)
+    spec.trainer.lora = LoraSpec(rank=12)
+    args = engine_kwargs(spec, "m", "tiny", engine_index=0, on_cpu=True)
+    assert (args["enable_lora"], args["max_loras"], args["max_lora_rank"]) == (True, 1, 16)
+    spec.trainer.lora = LoraSpec(rank=256)
+    assert engine_kwargs(spec, "m", "tiny", engine_index=0, on_cpu=True)["max_lora_rank"] == 256

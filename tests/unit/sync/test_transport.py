@@ -168,3 +168,82 @@ def test_transports_share_one_setup_and_refuse_sync_before_it():
     for transport in METHODS.values():
         with pytest.raises(RuntimeError, match=rf"{transport.__name__}\.setup\(\) must run before sync"):
             transport(spec, trainer_group=None, engine_pool=None).sync(1)
+
+
+def test_a_colocated_lora_sync_goes_through_gloo():
+    """NCCL refuses trainer rank 0 and the engine on its GPU in one communicator; adapters are small."""
+    from kuberl.api import RLTrainingJobSpec
+    from kuberl.sync.nccl import sync_backend
+
+    def spec(**trainer):
+        return RLTrainingJobSpec.model_validate({
+            "image": "kuberl/worker:test", "model": {"uri": "/models/m"}, "data": {"uri": "/data/p.jsonl"},
+            "trainer": {"gpusPerReplica": 1, **trainer}, "rollout": {"colocate": True}})
+
+    assert sync_backend(spec(lora={})) == "gloo"
+    assert sync_backend(spec()) == "nccl"
+    separate = spec(lora={})
+    separate.rollout.colocate = False
+    assert sync_backend(separate) == "nccl"
+    separate.trainer.gpus_per_replica = 0
+    assert sync_backend(separate) == "gloo"
+
+
+def test_lora_syncs_send_the_adapters_alone_as_a_peft_directory(tmp_path):
+    """trainer.lora: the sender's metadata lists the adapters alone, under peft's names; nccl's
+    receivers write what they received as a peft directory (the engine's first worker only), and
+    the checkpoint method's trainer writes the same (kuberl.sync.adapter)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from kuberl.sync.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from kuberl.sync.snapshot import write_adapter
+    from kuberl.train.lora import LoraOptions, apply_lora
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(torch.nn.ModuleDict({"q_proj": torch.nn.Linear(16, 16),
+                                                            "v_proj": torch.nn.Linear(16, 8)}) for _ in range(2))
+    options = LoraOptions(rank=4, alpha=8, target_modules=("q_proj", "v_proj"))
+    apply_lora(model, options, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()
+    metas = param_metas(model, torch.float32)
+    # peft's saved names: its adapter name ("default") dropped, PeftModel's prefix added.
+    want = {"base_model.model." + n.replace(".default.", "."): p.detach()
+            for n, p in model.named_parameters() if p.requires_grad}
+    assert {m.name for m in metas} == set(want) and len(want) == 8
+    config = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+
+    store, key = open_store("127.0.0.1"), "test-lora"
+    results: dict[int, int] = {}
+
+    def receive(rank: int, tp_rank: int) -> None:
+        ext = WeightReceiver()
+        ext.rank = tp_rank
+        ext.kuberl_join_group("127.0.0.1", store.port, rank - tp_rank, 3, "gloo")
+        results[rank] = ext.kuberl_receive_adapter(metas, 256, config, str(tmp_path / f"engine-{rank}"))
+        ext.kuberl_leave_group()
+
+    threads = [threading.Thread(target=receive, args=(r, r - 1)) for r in (1, 2)]  # one engine, tp 2
+    for t in threads:
+        t.start()
+    nccl._STORES[key] = store
+    nccl.join_sync_group(Worker(model), key, "127.0.0.1", store.port, 3, "gloo")
+    sent = nccl.broadcast_weights(Worker(model), key, metas, 256)
+    for t in threads:
+        t.join(timeout=60)
+    nccl.leave_sync_group(Worker(model), key)
+    total = sum(m.nbytes for m in metas)
+    assert sent == total and results == {1: total, 2: total}
+    assert not (tmp_path / "engine-2").exists()  # the second worker of the engine writes nothing
+
+    write_adapter(Worker(model), str(tmp_path / "snapshot"), metas, 256, config)
+    for directory in (tmp_path / "engine-1", tmp_path / "snapshot"):
+        saved = load_file(directory / ADAPTER_WEIGHTS)
+        assert saved.keys() == want.keys() and all(torch.equal(saved[k], v) for k, v in want.items())
+        saved_config = json.loads((directory / ADAPTER_CONFIG).read_text())
+        assert (saved_config["peft_type"], saved_config["r"], saved_config["lora_alpha"]) == ("LORA", 4, 8)
+        assert sorted(saved_config["target_modules"]) == ["q_proj", "v_proj"]

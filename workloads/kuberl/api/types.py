@@ -492,6 +492,37 @@ class ParallelismSpec(APIModel):
                         "processes and the model's number of experts (checked when the trainer starts).")
 
 
+# The linear layers an adapter may target, by module name (the last segment of its path, as
+# peft's target_modules): the attention and MLP projections of the decoder families kuberl trains
+# (Llama, Qwen2/3, Mistral, Gemma). vLLM serves LoRA on exactly these; embeddings and the LM head
+# it does not, so an adapter on them could train but never reach the engines.
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraSpec(APIModel):
+    model_config = ConfigDict(json_schema_extra=_rules(
+        rule("self.targetModules.all(m, m in " + str(list(LORA_TARGET_MODULES)) + ")",
+             "trainer.lora.targetModules: each must be one of " + ", ".join(LORA_TARGET_MODULES) +
+             " (the projections vLLM serves LoRA on; embeddings and the LM head stay frozen)", ".targetModules"),
+        rule("self.targetModules.all(m, self.targetModules.exists_one(n, n == m))",
+             "trainer.lora.targetModules: list each module once", ".targetModules"),
+    ))
+    rank: int = Field(16, ge=1, le=256, description="The adapter's rank r: each targeted d_out x d_in weight "
+                      "W trains as W + (alpha / r) B A, with A r x d_in and B d_out x r (B starts at 0, so "
+                      "step 0 is the base model).")
+    alpha: int = Field(32, ge=1, le=4096, description="LoRA's alpha: the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input in training (the "
+                           "engines never apply it); 0 keeps the trainer's log-probs equal to the engines'.")
+    # Bounded items keep the API server's CEL cost estimate of the rules above small.
+    target_modules: list[Annotated[str, StringConstraints(max_length=64)]] = Field(list(LORA_TARGET_MODULES), min_length=1, max_length=len(LORA_TARGET_MODULES),
+                                      description="Linear layers that get an adapter, by module name: any of "
+                                      + ", ".join(LORA_TARGET_MODULES) + " (default: all).")
+    merge_on_export: bool = Field(False, description="checkpoint.exportHuggingFace writes the adapter "
+                                  "(peft's adapter_config.json + adapter_model.safetensors, under adapter/); "
+                                  "true also writes the base model with the adapter merged in, a plain "
+                                  "Hugging Face model, at the export's root.")
+
+
 class TrainerSpec(APIModel):
     model_config = ConfigDict(json_schema_extra=_rules(
         rule("!self.cpuOffload || self.gpusPerReplica > 0",
@@ -530,6 +561,11 @@ class TrainerSpec(APIModel):
     moe: MoESpec = Field(default_factory=MoESpec, description="Mixture-of-Experts options.")
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec,
                                          description="How the trainer splits the model beyond FSDP2.")
+    lora: LoraSpec | None = Field(None, description="Train a LoRA adapter instead of the whole model: the "
+                                  "base stays frozen, only the adapter's parameters (and their optimizer state) "
+                                  "train, sync to the engines, and go into checkpoints; the reference policy of "
+                                  "klCoef is the base itself (adapter off), no second copy. Needs "
+                                  "weightSync.method nccl or checkpoint (docs/algorithms.md).")
     resources: Resources = Field(default_factory=Resources, description="Per-pod CPU and memory.")
 
 
@@ -772,6 +808,13 @@ class RLTrainingJobSpec(APIModel):
         rule("self.weightSync.method != 'ipc' || self.rollout.colocate",
              "weightSync.method ipc needs rollout.colocate: true (CUDA IPC works only on the same GPUs)",
              ".weightSync.method"),
+        rule("!has(self.trainer.lora) || self.weightSync.method != 'ipc'",
+             "trainer.lora syncs only the adapter, which the engines load as a LoRA adapter, not through "
+             "weightSync.method ipc (CUDA IPC handles of the full weights); use weightSync.method nccl "
+             "(colocated too) or checkpoint", ".weightSync.method"),
+        rule("!has(self.trainer.lora) || !self.trainer.lora.mergeOnExport || self.checkpoint.exportHuggingFace",
+             "trainer.lora.mergeOnExport needs checkpoint.exportHuggingFace: true (the merged model is "
+             "part of the export)", ".trainer.lora.mergeOnExport"),
         rule(f"!{STALE_CEL.replace('self.', 'self.algorithm.')} || !self.rollout.colocate",
              "algorithm.asyncRollout and maxStaleness need rollout.colocate: false (colocated engines sleep "
              "while the trainer steps, so nothing can overlap); set rollout.colocate: false, or "

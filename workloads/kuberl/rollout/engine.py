@@ -4,7 +4,10 @@ The engine is vLLM's ``AsyncLLM``: concurrent ``generate`` calls (the driver's b
 HTTP endpoint's requests) are batched together by vLLM's scheduler. Weight updates pause the
 scheduler (waiting for in-flight requests, so every sample comes from exactly one weight
 version), load through the workers' ``WeightReceiver`` extension, reset the prefix cache (cached
-KV was computed with the old weights) and resume with ``weight_version`` incremented.
+KV was computed with the old weights) and resume with ``weight_version`` incremented. With
+``trainer.lora`` the engine serves the frozen base plus the policy's adapter: each sync loads the
+new version's adapter (vLLM's LoRA support, from a directory in peft's format) and every request
+carries it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 import uuid
 
 from kuberl.common.samples import Sample
@@ -21,6 +26,18 @@ from kuberl.job.plan import Paths
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "kuberl.sync.receiver.WeightReceiver"
+# The ranks vLLM's max_lora_rank takes (vllm.config.lora.MaxLoRARanks); an adapter's rank may be
+# any up to it, so an engine takes the smallest that holds trainer.lora.rank.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+ADAPTER_NAME = "kuberl-policy"
+
+
+def lora_kwargs(lora) -> dict:
+    """vLLM's LoRA engine arguments for ``spec.trainer.lora``: one adapter, the policy's."""
+    if lora is None:
+        return {}
+    return {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1,
+            "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= lora.rank)}
 
 
 def batch_usage_context():
@@ -106,6 +123,7 @@ def engine_kwargs(spec, local_model_path: str, served_model_name: str, *, engine
         logprobs_mode="processed_logprobs",
         enable_sleep_mode=rollout.colocate and not on_cpu,
         worker_extension_cls=WORKER_EXTENSION,
+        **lora_kwargs(spec.trainer.lora),
     )
     # spec.rollout.engineArgs (an allow-list) may override the tunable ones, e.g. prefix caching;
     # CPU engines keep their eager mode whatever the spec says.
@@ -169,6 +187,9 @@ class RolloutEngine:
         self.served_model_name = served_model_name
         self._version = 0
         self._asleep = False
+        # trainer.lora: the adapter every request carries (vLLM's LoRARequest); None until the
+        # first sync, which is the base model exactly (an adapter starts with B = 0).
+        self._adapter = None
         self._resources = contextlib.ExitStack()
         try:
             local = self._resources.enter_context(resolve(
@@ -194,7 +215,7 @@ class RolloutEngine:
         params.output_kind = RequestOutputKind.FINAL_ONLY
         final = None
         async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
-                                              uuid.uuid4().hex):
+                                              uuid.uuid4().hex, lora_request=self._adapter):
             final = out
         version = self._version  # read at completion: a pause drains requests before loading
         samples = []
@@ -274,7 +295,7 @@ class RolloutEngine:
             params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
             final = None
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(seq)), params,
-                                                  uuid.uuid4().hex):
+                                                  uuid.uuid4().hex, lora_request=self._adapter):
                 final = out
             return [entry[tok].logprob for tok, entry in zip(seq[1:], final.prompt_logprobs[1:])]
 
@@ -323,6 +344,53 @@ class RolloutEngine:
             raise
         await self.resume(version)
         return result
+
+    async def update_adapter(self, method: str, args: tuple, version: int, directory: str | None = None) -> list:
+        """trainer.lora's sync: pause (in-flight requests finish first), have the workers run
+        ``method(*args, directory)``, load the adapter in ``directory`` (peft's format) as
+        version ``version``'s, reset the prefix cache, resume; later requests carry it.
+
+        ``directory`` None: one of this engine's own, where the workers write what they received
+        (nccl), removed once loaded; else the trainer wrote it there (checkpoint). vLLM reads the
+        files once, at ``add_lora``, and keeps the adapter in memory: one adapter slot
+        (``lora_kwargs``), and the old version leaves it when the new one arrives."""
+        from vllm.lora.request import LoRARequest
+
+        own = directory is None
+        if own:
+            directory = tempfile.mkdtemp(prefix=f"v{version:08d}-", dir=self._adapter_root())
+        await self.pause()
+        try:
+            result = await self.rpc(method, *args, directory)
+            # A fresh id per version (ids must be > 0); in place: the same version sent again
+            # (an engine lost mid-sync) replaces what part of it arrived.
+            name, lora_id = f"{ADAPTER_NAME}-v{version}", version + 1
+            if not await self.engine.add_lora(LoRARequest(name, lora_id, directory, load_inplace=True)):
+                raise RuntimeError(f"engine {self.engine_index}: vLLM did not load the adapter of weight "
+                                   f"version {version} from {directory}")
+            old, self._adapter = self._adapter, LoRARequest(name, lora_id, directory)
+            if old is not None and old.lora_int_id != lora_id:
+                await self.engine.remove_lora(old.lora_int_id)
+        except BaseException:
+            # Keep the old version and adapter: the samples must not claim weights that never arrived.
+            await self.resume(self._version)
+            raise
+        finally:
+            if own:
+                shutil.rmtree(directory, ignore_errors=True)
+        await self.resume(version)
+        return result
+
+    def _adapter_root(self) -> str:
+        """This engine's own directory for the adapters its workers receive (memory-backed like
+        the weight snapshots), removed with the engine."""
+        from kuberl.sync.snapshot import snapshot_root
+
+        root = snapshot_root() / f"engine-{self.engine_index}-{os.getpid()}"
+        if not root.is_dir():
+            root.mkdir(parents=True)
+            self._resources.callback(shutil.rmtree, root, True)
+        return str(root)
 
     async def sleep(self) -> bool:
         """Free the KV cache (and offload weights) while the colocated trainer runs; False where

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
+from kuberl.sync.adapter import lora_config, save_adapter, spec_adapter_options
 from kuberl.sync.base import EnginesLostInSync, SyncStats, WeightSync
 from kuberl.sync.buckets import ParamMeta, from_wire, pack, plan_buckets, to_wire, unpack
 from kuberl.sync.group import SyncAborted, SyncGroup, node_ip, open_store, raise_abort
@@ -47,7 +48,7 @@ class NcclWeightSync(WeightSync):
 
     def __init__(self, spec, trainer_group, engine_pool, *, backend: str | None = None):
         super().__init__(spec, trainer_group, engine_pool)
-        self.backend = backend or ("nccl" if spec.trainer.gpus_per_replica > 0 else "gloo")
+        self.backend = backend or sync_backend(spec)
         self.key = f"nccl-{uuid.uuid4().hex[:8]}"
         self.store_address: tuple[str, int] | None = None  # the group's store (trainer rank 0)
 
@@ -70,8 +71,14 @@ class NcclWeightSync(WeightSync):
         import ray
 
         start = time.perf_counter()
-        calls = {engine.update_weights.remote("kuberl_receive", (to_wire(meta_list), self.bucket_bytes),
-                                              version): engine
+        adapter = spec_adapter_options(self.spec)
+        # trainer.lora: the same broadcast carries the adapters alone (``meta_list`` is theirs);
+        # each engine's workers write them into a directory of the engine's, which it loads.
+        calls = {(engine.update_adapter.remote("kuberl_receive_adapter",
+                                               (to_wire(meta_list), self.bucket_bytes, adapter), version)
+                  if adapter is not None else
+                  engine.update_weights.remote("kuberl_receive", (to_wire(meta_list), self.bucket_bytes),
+                                               version)): engine
                  for engine in self.engine_pool.engines}
         # The trainers send from a thread, so that a failure on either side (an engine lost, a
         # trainer rank lost) is seen here at once: the driver then raises the group's abort flag
@@ -129,6 +136,15 @@ class NcclWeightSync(WeightSync):
 
     def leave_engines(self) -> None:
         self.engine_pool.each("rpc", "kuberl_leave_group")
+
+
+def sync_backend(spec) -> str:
+    """NCCL between GPU trainers and engines, gloo on CPU. Colocated with trainer.lora, gloo too:
+    NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"), and trainer
+    rank 0 shares its GPU with an engine; the adapters are small enough to go through host memory."""
+    if spec.trainer.gpus_per_replica == 0 or (spec.rollout.colocate and spec.trainer.lora is not None):
+        return "gloo"
+    return "nccl"
 
 
 def first_line(err: BaseException) -> str:
@@ -216,6 +232,17 @@ class NcclReceiver:
         group: SyncGroup = self._kuberl_group
         device = self._kuberl_device() if group.backend == "nccl" else torch.device("cpu")
         return self._kuberl_load(_received(group, plan_buckets(from_wire(metas), bucket_bytes), device))
+
+    def kuberl_receive_adapter(self, metas: list, bucket_bytes: int, options: dict, directory: str) -> int:
+        """trainer.lora: receive the adapters and write them into ``directory`` in peft's format,
+        for the engine to load (every tensor-parallel worker receives; the first one writes)."""
+        group: SyncGroup = self._kuberl_group
+        device = self._kuberl_device() if group.backend == "nccl" else torch.device("cpu")
+        tensors = {name: t.to("cpu", copy=True)
+                   for name, t in _received(group, plan_buckets(from_wire(metas), bucket_bytes), device)}
+        if int(getattr(self, "rank", 0)) == 0:
+            save_adapter(directory, tensors, lora_config(**options))
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def kuberl_leave_group(self) -> None:
         group = getattr(self, "_kuberl_group", None)

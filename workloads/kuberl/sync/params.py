@@ -1,4 +1,5 @@
-"""The trainer's parameters as the engines need them: full (unsharded) tensors under HF names."""
+"""The trainer's parameters as the engines need them: full (unsharded) tensors under HF names;
+with trainer.lora the adapters' alone, under the names of peft's saved format (kuberl.sync.adapter)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
+from kuberl.sync.adapter import saved_adapter
 from kuberl.sync.buckets import Bucket, ParamMeta, dtype_name
 
 # Wrappers (activation checkpointing, torch.compile, FSDP1) insert these into parameter names;
@@ -20,10 +22,18 @@ def hf_name(name: str) -> str:
     return name
 
 
+def sync_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """What a sync sends, under the name the engines know it by: every parameter; or, when the
+    model trains LoRA adapters, only theirs (the engines hold the frozen base already)."""
+    named = [(hf_name(name), p) for name, p in model.named_parameters()]
+    if getattr(model, "peft_config", None) is None:
+        return iter(named)
+    return iter(saved_adapter(model, dict(named)).items())
+
+
 def param_metas(model: torch.nn.Module, wire_dtype: torch.dtype) -> list[ParamMeta]:
     """Global shapes (a DTensor's ``shape`` is the unsharded one); no collective."""
-    return [ParamMeta(hf_name(name), tuple(p.shape), dtype_name(wire_dtype))
-            for name, p in model.named_parameters()]
+    return [ParamMeta(name, tuple(p.shape), dtype_name(wire_dtype)) for name, p in sync_params(model)]
 
 
 def full_bucket(model: torch.nn.Module, bucket: Bucket, device: torch.device) -> list[torch.Tensor]:
@@ -34,8 +44,7 @@ def full_bucket(model: torch.nn.Module, bucket: Bucket, device: torch.device) ->
     """
     wanted = {meta.name: meta for meta in bucket.metas}
     found: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
-        name = hf_name(name)
+    for name, param in sync_params(model):
         if name not in wanted:
             continue
         if isinstance(param, DTensor):

@@ -4,7 +4,9 @@ bucket) and the engines load it.
 The API calls it ``weightSync.method: checkpoint``, and that value stays: it is what users write,
 and renaming it would break their manifests. The code says "snapshot" because "checkpoint" already
 names the training checkpoints (``kuberl.train.checkpoint``, ``kuberl.storage.checkpoints``); a
-snapshot is never restored from, only loaded by the engines once and removed.
+snapshot is never restored from, only loaded by the engines once and removed. With
+``trainer.lora`` the snapshot is the adapter alone, in peft's format (``write_adapter``), which
+the engines load as a LoRA adapter (``RolloutEngine.update_adapter``).
 
 Driver part: ``SnapshotWeightSync``. Sender part: ``write_snapshot``/``remove_snapshot`` on the
 trainer ranks. Receiver part: ``SnapshotReceiver``, mixed into vLLM's workers by
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from kuberl.sync.adapter import ADAPTER_WEIGHTS, lora_config, save_adapter, spec_adapter_options
 from kuberl.sync.base import SyncStats, WeightSync
 from kuberl.sync.buckets import ParamMeta, plan_buckets
 from kuberl.sync.params import iter_buckets
@@ -57,9 +60,14 @@ class SnapshotWeightSync(WeightSync):
         meta_list = self.metas
         start = time.perf_counter()
         directory = str(self.root / self.key / f"v{version:08d}")
+        adapter = spec_adapter_options(self.spec)
         try:
-            paths = self.trainer_group.execute(write_snapshot, directory, meta_list, self.bucket_bytes)[0]
-            loaded = self.engine_pool.each("update_weights", "kuberl_load_files", (paths,), version)
+            if adapter is not None:
+                self.trainer_group.execute(write_adapter, directory, meta_list, self.bucket_bytes, adapter)
+                loaded = self.engine_pool.each("update_adapter", "kuberl_adapter_bytes", (), version, directory)
+            else:
+                paths = self.trainer_group.execute(write_snapshot, directory, meta_list, self.bucket_bytes)[0]
+                loaded = self.engine_pool.each("update_weights", "kuberl_load_files", (paths,), version)
         finally:
             self.trainer_group.execute(remove_snapshot, directory)
         return SyncStats(version, min(min(r) for r in loaded), time.perf_counter() - start)
@@ -87,6 +95,17 @@ def write_snapshot(worker, directory: str, meta_list: list[ParamMeta], bucket_by
     return paths
 
 
+def write_adapter(worker, directory: str, meta_list: list[ParamMeta], bucket_bytes: int, options: dict) -> int:
+    """trainer.lora: rank 0 writes the adapters (``meta_list`` is theirs alone) as one peft
+    adapter directory; every rank joins the gathers. Returns the weights file's bytes (0 elsewhere)."""
+    tensors = {}
+    for bucket, bucket_tensors in iter_buckets(worker.model, plan_buckets(meta_list, bucket_bytes),
+                                               torch.device("cpu")):
+        if worker.rank == 0:
+            tensors.update((meta.name, t) for meta, t in zip(bucket.metas, bucket_tensors))
+    return save_adapter(directory, tensors, lora_config(**options)) if worker.rank == 0 else 0
+
+
 def remove_snapshot(worker, directory: str) -> None:
     if worker.rank == 0:
         shutil.rmtree(directory, ignore_errors=True)
@@ -97,6 +116,10 @@ def remove_snapshot(worker, directory: str) -> None:
 class SnapshotReceiver:
     def kuberl_load_files(self, paths: list[str]) -> int:
         return self._kuberl_load(_from_files(paths))
+
+    def kuberl_adapter_bytes(self, directory: str) -> int:
+        """trainer.lora: the adapter the engine loads next from ``directory`` (its bytes)."""
+        return (Path(directory) / ADAPTER_WEIGHTS).stat().st_size
 
 
 def _from_files(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -87,6 +87,32 @@ def fetch_tar_parts(uri: str, world_size: int, local: Path) -> Path:
     return trainer
 
 
+def lora_mismatch(checkpointed: dict[str, Any], adapters: dict[str, tuple[int, ...]], where: str) -> str | None:
+    """Why a trainer whose adapters (``trainer.lora``; none without it) have the state names and
+    shapes ``adapters`` cannot restore a checkpoint whose dcp metadata is ``checkpointed`` (name:
+    ``TensorStorageMetadata``), or None. A LoRA checkpoint holds the adapters alone, a full one every
+    weight: neither restores into the other, nor adapters of another rank or other modules."""
+    saved = {key: tuple(meta.size) for key, meta in checkpointed.items()
+             if key.startswith("model.") and (".lora_A." in key or ".lora_B." in key)}
+    fresh = "start fresh (checkpoint.resume: never, or another checkpoint.uri)"
+    if adapters and not saved:
+        return (f"{where}: written without trainer.lora (the whole model trained), so it holds no adapters "
+                f"to restore; remove trainer.lora to resume it, or {fresh}")
+    if saved and not adapters:
+        return (f"{where}: written with trainer.lora (it holds the adapters, not the whole model); set "
+                f"trainer.lora as it was to resume it, or {fresh}")
+    if saved.keys() != adapters.keys():
+        modules = lambda keys: sorted({k.split(".lora_")[0].rpartition(".")[2] for k in keys})  # noqa: E731
+        return (f"{where}: written with trainer.lora.targetModules {modules(saved)}, this run has "
+                f"{modules(adapters)}; set them as they were to resume it, or {fresh}")
+    for key, shape in adapters.items():
+        if saved[key] != shape:
+            rank = saved[key][0] if ".lora_A." in key else saved[key][1]  # A is r x d_in, B d_out x r
+            return (f"{where}: written with trainer.lora.rank {rank} ({key} is {list(saved[key])}, this run's "
+                    f"{list(shape)}); set rank {rank} to resume it, or {fresh}")
+    return None
+
+
 def find_checkpoint(resume: Resume) -> str | None:
     """The checkpoint a run restores, from the plan alone: the newest complete one under the
     job's own root, else the one the spec names (which must be complete), else none."""
@@ -254,7 +280,7 @@ class RankCheckpointer:
                 metadata = load_metadata(
                     with_retries(lambda: files.cat_file(f"{reader_path}/{METADATA}"), uri=uri),
                     f"{where}/{METADATA}")
-                refused = None
+                refused = lora_mismatch(metadata.state_dict_metadata, self.worker.adapter_shapes(), uri)
             except StorageError as err:
                 refused = str(err)
             self._all_or_none(refused)

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from kuberl.train.logprobs import DEFAULT_CHUNK_TOKENS, use_logprob_head
+from kuberl.train.lora import LoraOptions, apply_lora
 from kuberl.train.moe import GroupedExperts, use_grouped_experts
 from kuberl.train.packing import PACKED_ATTENTION, UNIFORM_SDPA_ATTR, register_packed_attention
 from kuberl.train.recompute import checkpoint_per_op
@@ -68,6 +69,9 @@ class ModelOptions:
     # spec.trainer.parallelism.expert: ranks per expert-parallel group (kuberl.train.moe); 1: every
     # rank FSDP2-shards every expert.
     expert_parallel: int = 1
+    # spec.trainer.lora: adapters on the targeted linear layers (kuberl.train.lora), added before
+    # fully_shard; the base frozen. None trains every parameter.
+    lora: LoraOptions | None = None
 
 
 def trainer_meshes(device_type: str, world_size: int, expert_parallel: int) -> tuple[DeviceMesh, DeviceMesh | None]:
@@ -335,8 +339,11 @@ def load_sharded_model(model_path: str, mesh: DeviceMesh, device: torch.device, 
     from transformers import AutoModelForCausalLM
 
     config = load_config(model_path, options)
+    lora = options.lora if trainable else None
     with torch.device("meta"):
         model = _build(config, options)
+        if lora is not None:
+            apply_lora(model, lora)
     model = shard_model(model, mesh, options, trainable=trainable, expert_mesh=expert_mesh)
     _materialize(model, mesh, device, options)
     source = None
@@ -345,6 +352,9 @@ def load_sharded_model(model_path: str, mesh: DeviceMesh, device: torch.device, 
                                                       trust_remote_code=options.trust_remote_code)
         if options.moe_experts != "stock":
             use_grouped_experts(source, options.moe_experts)
+        if lora is not None:
+            # Rank 0 draws the adapters' initial values; the broadcast gives every rank the same.
+            apply_lora(source, lora, seed=lora.seed)
     broadcast_full_state(model, source, device, options.broadcast_bucket_bytes)
     del source
     return model
@@ -357,6 +367,8 @@ def init_random_sharded_model(config, mesh: DeviceMesh, device: torch.device, op
     config = prepare_config(config, options)
     with torch.device("meta"):
         model = _build(config, options)
+        if options.lora is not None:
+            apply_lora(model, options.lora)
     model = shard_model(model, mesh, options, expert_mesh=expert_mesh)
     _materialize(model, mesh, device, options)
     torch.manual_seed(seed)
@@ -364,6 +376,8 @@ def init_random_sharded_model(config, mesh: DeviceMesh, device: torch.device, op
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.fill_(1.0)
+            elif ".lora_B." in name:
+                param.zero_()  # an adapter starts as the identity, as apply_lora's
             else:
                 param.normal_(0.0, config.initializer_range)
         # Non-persistent buffers (rotary inv_freq) are garbage after to_empty: rebuild them.

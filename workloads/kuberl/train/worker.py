@@ -20,11 +20,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from kuberl.common.samples import Sample, SampleError, TrainBatch
+from kuberl.sync.adapter import ADAPTER_EXPORT_DIR, is_adapter_name, save_adapter, saved_adapter
 from kuberl.train import loss as L
 from kuberl.train import packing
 from kuberl.train.algorithms import registry
 from kuberl.train.algorithms.base import UpdateTotals
 from kuberl.train.logprobs import score_tokens
+from kuberl.train.lora import LoraOptions, adapters_disabled, merged_state_dict
 from kuberl.train.model import (ModelOptions, clip_grad_norm, init_random_sharded_model, load_config,
                                 load_sharded_model, trainer_meshes)
 from kuberl.train.moe import is_moe_config
@@ -82,7 +84,8 @@ class TrainerConfig:
                                gradient_checkpointing=trainer.gradient_checkpointing,
                                checkpoint_every=trainer.checkpoint_every,
                                param_dtype=dtype, moe_experts=trainer.moe.expert_implementation,
-                               cpu_offload=trainer.cpu_offload, expert_parallel=expert_parallel),
+                               cpu_offload=trainer.cpu_offload, expert_parallel=expert_parallel,
+                               lora=LoraOptions.from_spec(trainer.lora, algo.seed)),
         )
 
 
@@ -218,14 +221,17 @@ class TrainerWorker:
             self.model = load_sharded_model(model_path, self.mesh, self.device, config.model,
                                             expert_mesh=self.expert_mesh)
             # The reference policy is the initial weights, frozen; kept only when the KL term is used.
+            # With LoRA it is the base model itself, the adapters switched off (ref_log_probs).
             self.ref_model = (load_sharded_model(model_path, self.mesh, self.device, config.model, trainable=False,
                                                  expert_mesh=self.expert_mesh)
-                              if config.kl_coef > 0 else None)
+                              if config.kl_coef > 0 and config.model.lora is None else None)
         self.is_moe = is_moe_config(self.hf_config)
         # Fused on GPU (one kernel over all parameters instead of several foreach passes); its share
         # of the speed-up in bench/train_speed.py was not measured separately.
         # Offloaded, the parameters and moments are CPU tensors: the optimizer steps there, unfused.
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+        # With LoRA only the adapters train: neither gradients nor moments exist for the base.
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=config.lr,
+                                           weight_decay=config.weight_decay,
                                            fused=on_gpu and not config.model.cpu_offload)
         warmup = config.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -324,9 +330,12 @@ class TrainerWorker:
         return self._log_probs(self.model, batch)
 
     def ref_log_probs(self, batch: TrainBatch) -> list[list[float]]:
-        if self.ref_model is None:
+        if self.config.kl_coef <= 0:
             raise RuntimeError("no reference policy: spec.algorithm.klCoef is 0, so none is kept; "
                                "set klCoef > 0 to use reference log-probs")
+        if self.ref_model is None:  # trainer.lora: the frozen base is the reference
+            with adapters_disabled(self.model):
+                return self._log_probs(self.model, batch)
         return self._log_probs(self.ref_model, batch)
 
     # ---- the optimisation step ------------------------------------------------------------
@@ -414,8 +423,9 @@ class TrainerWorker:
         """What a checkpoint holds: the model and optimizer state for torch.distributed.checkpoint
         (the live tensors, not copies: ``before_update`` guards them until they are written) and
         this rank's own part, copied now: scheduler, step counters and every RNG state, so that a
-        resume continues bit-exactly."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        resume continues bit-exactly. With LoRA the model state is the adapters' alone: the base
+        never changes, and a resume reads it from the model again."""
+        model_sd, optim_sd = self._state()
         extra = {"scheduler": copy.deepcopy(self.scheduler.state_dict()), "optimizer_steps": self.optimizer_steps,
                  "skipped_steps": self.skipped_steps, "rng": _rng_state()}
         return {"model": model_sd, "optim": optim_sd}, extra
@@ -424,22 +434,60 @@ class TrainerWorker:
         """``load`` fills the model/optimizer state in place (dcp.load); ``extra`` is this rank's
         part as ``checkpoint_state`` returned it."""
         self.before_update()
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = self._state()
         state = {"model": model_sd, "optim": optim_sd}
         load(state)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=self._state_options)
         self.scheduler.load_state_dict(extra["scheduler"])
         self.optimizer_steps = extra["optimizer_steps"]
         self.skipped_steps = extra["skipped_steps"]
         _set_rng_state(extra["rng"])
         dist.barrier()
 
+    @property
+    def _state_options(self) -> StateDictOptions:
+        # LoRA: the frozen base is left out (strict=False: a state without it still loads).
+        lora = self.config.model.lora is not None
+        return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+    def _state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options)
+        return self._adapters_only(model_sd), optim_sd
+
+    def _adapters_only(self, model_sd: dict[str, Any]) -> dict[str, Any]:
+        if self.config.model.lora is None:
+            return model_sd
+        # ignore_frozen_params keeps a tied weight's second name (lm_head.weight, the whole
+        # embedding): the adapters' own tensors alone.
+        return {k: v for k, v in model_sd.items() if is_adapter_name(k)}
+
+    def adapter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The adapters' names in a checkpoint (``model.`` + state name) and global shapes; empty
+        without LoRA. A resume checks a checkpoint against them (kuberl.train.checkpoint)."""
+        if self.config.model.lora is None:
+            return {}
+        model_sd = self._adapters_only(get_model_state_dict(self.model, options=self._state_options))
+        return {f"model.{k}": tuple(v.shape) for k, v in model_sd.items()}
+
     def export_hf(self, path: str) -> None:
         """The full model gathered to rank 0 and saved as a Hugging Face checkpoint (safetensors)
-        with the tokenizer and, for trust_remote_code models, their code."""
+        with the tokenizer and, for trust_remote_code models, their code. With LoRA: the adapters
+        in peft's format under ``adapter/``, and with ``mergeOnExport`` the merged model at
+        ``path`` itself."""
+        lora = self.config.model.lora
+        if lora is not None and not lora.merge_on_export:
+            adapters = get_model_state_dict(self.model, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
+            if self.rank == 0:
+                save_adapter(Path(path) / ADAPTER_EXPORT_DIR, saved_adapter(self.model, adapters), lora.config())
+            dist.barrier()
+            return
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
+            if lora is not None:
+                save_adapter(Path(path) / ADAPTER_EXPORT_DIR, saved_adapter(self.model, full), lora.config())
+                full = merged_state_dict(self.model, full, lora, self.hf_config)
             self._save_hf(path, full)
         dist.barrier()
 
