@@ -4,12 +4,17 @@ higher WorkloadPriorityClass preempts a running one, which is suspended by Kueue
 their graceful deletion: the preemption notice path), resumes from its checkpoint once readmitted,
 and Succeeds with every step.
 
-Not run yet: written in session 7 without a real-node run (the machine runs one real-node cluster
-at a time). Run with
-    flock /tmp/kuberl-e2e.lock nice -n 5 python -m pytest -q tests/e2e/test_kueue_in_pods.py -x
-and remove the skip once both pass."""
+Passed in real pods on 2026-11-26 (2 passed in 986 s with the images built and Kueue started:
+quota 332 s, preemption 319 s). Eleven minutes of jobs in pods do not fit CI's budget yet, so CI
+leaves them out; run them with
+    KUBERL_E2E_KUEUE=1 flock /tmp/kuberl-e2e.lock nice -n 5 python -m pytest -q tests/e2e/test_kueue_in_pods.py -x
+The Kueue behaviour they rest on (admission as one gang, the Pending condition naming the queue,
+suspend/resume through the Workload, eviction as a suspension) runs in CI against the real API
+server and a real Kueue: tests/cluster/operator/test_kueue_cluster.py."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -18,7 +23,8 @@ from tests.harness.build import build
 from tests.harness.helpers import apply
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_nodes, pytest.mark.slow,
-              pytest.mark.skip(reason="written without a real-node run yet (session 7); see the module docstring")]
+              pytest.mark.skipif(os.environ.get("KUBERL_E2E_KUEUE") != "1",
+                                 reason="11 minutes of jobs in pods, outside CI's budget; KUBERL_E2E_KUEUE=1 runs them")]
 
 QUEUE = "team"
 # examples/grpo-tiny-s3.yaml asks 1.75 CPUs, KubeRay's submitter pod 0.5: 3 CPUs admit one job, not two.
