@@ -211,13 +211,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from kuberl.job.plan import Checkpoints
     from kuberl.train.checkpoint import TRAINER_DIR, RankCheckpointer
-    from kuberl.train.worker import TrainerWorker
+    from kuberl.train.worker import TrainerConfig, TrainerWorker
 
     class BenchWorker(TrainerWorker):
         """The real checkpoint_state/restore_state on a state built here (no model, no Ray)."""
 
         def __init__(self, model, optimizer, scheduler):  # noqa: D107 - deliberately not super()
             self.rank, self.world_size, self.device = 0, 1, torch.device("cpu")
+            self.config = TrainerConfig()  # the defaults: the whole model trains (no LoRA)
             self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
             self.optimizer_steps, self.skipped_steps = 1, 0
             self.before_update = lambda: None
