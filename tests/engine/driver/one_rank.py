@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from kuberl.common.ports import unclaimed_port
-from kuberl.train.worker import TrainerWorker
+from kuberl.train.worker import TrainerConfig, TrainerWorker
 
 
 class OneRank(TrainerWorker):
@@ -27,6 +27,7 @@ class OneRank(TrainerWorker):
             dist.init_process_group("gloo" if device == "cpu" else "cpu:gloo,cuda:nccl",
                                     init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        self.config = TrainerConfig()  # the defaults: the whole model trains (no LoRA)
         torch.manual_seed(seed)
         mesh = init_device_mesh(self.device.type, (world_size,))
         self.model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)]).to(self.device)
