@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import Shard
 
 from kuberl.common.ports import unclaimed_port
+from tests.engine.train.full_state import full_state
 
 LR = 1e-3
 SAMPLES = 8
@@ -42,17 +43,6 @@ def _batch():
                        for i in range(SAMPLES)])
 
 
-def _full_state(worker) -> dict[str, torch.Tensor]:
-    """Model and AdamW state as full tensors by name (a DTensor is gathered: collective)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(worker.model, worker.optimizer)
-    flat = {f"model.{k}": v for k, v in model_sd.items()}
-    for name, state in optim_sd["state"].items():
-        flat.update({f"optim.{name}.{k}": v for k, v in state.items()})
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in flat.items()}
-
-
 def _phase(rank: int, world: int, ep: int, port: int, model_path: str, out: str) -> None:
     from kuberl.sync.buckets import plan_buckets
     from kuberl.sync.params import iter_buckets, param_metas
@@ -67,7 +57,7 @@ def _phase(rank: int, world: int, ep: int, port: int, model_path: str, out: str)
     layout = ((experts.device_mesh.mesh_dim_names, experts.placements, experts.to_local().shape[0])
               if hasattr(experts, "to_local") else None)
     metrics = worker.train_step(_batch())
-    full = _full_state(worker)
+    full = full_state(worker)
     # What a weight sync sends the engines (kuberl.sync.params): full tensors gathered bucket by
     # bucket, small buckets so the experts' gathers interleave with the dense ones.
     buckets = plan_buckets(param_metas(worker.model, torch.float32), bucket_bytes=16 << 10)
@@ -151,14 +141,14 @@ def _resharding_ranks(rank: int, ports: list[int], model_path: str, root: str) -
     worker.train_step(_batch())
     state, extra = worker.checkpoint_state()
     dcp.save(state, checkpoint_id=f"{root}/ckpt")
-    out["saved"] = _full_state(worker)
-    out["ep2"] = worker.train_step(_batch()), _full_state(worker)
+    out["saved"] = full_state(worker)
+    out["ep2"] = worker.train_step(_batch()), full_state(worker)
     worker.shutdown()
     for ep, port in zip((1, 4, 2), ports[1:]):
         worker = _worker(rank, ep, port, model_path)
         worker.restore_state(lambda state: dcp.load(state, checkpoint_id=f"{root}/ckpt"), extra)
-        out[f"restored_ep{ep}"] = _full_state(worker)
-        out[f"resumed_ep{ep}"] = worker.train_step(_batch()), _full_state(worker)
+        out[f"restored_ep{ep}"] = full_state(worker)
+        out[f"resumed_ep{ep}"] = worker.train_step(_batch()), full_state(worker)
         worker.shutdown()
     if rank == 0:
         torch.save(out, f"{root}/out.pt")

@@ -9,6 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from kuberl.common.ports import unclaimed_port
+from tests.engine.train.full_state import full_state
 
 LR = 1e-2
 
@@ -29,17 +30,6 @@ def _batch():
                        for i, a in enumerate((1.0, -0.5, 0.25, -1.0))])
 
 
-def _full_state(worker) -> dict[str, torch.Tensor]:
-    """Model and AdamW state as full tensors by name (a DTensor is gathered: collective)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(worker.model, worker.optimizer)
-    flat = {f"model.{k}": v for k, v in model_sd.items()}
-    for name, state in optim_sd["state"].items():
-        flat.update({f"optim.{name}.{k}": v for k, v in state.items()})
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in flat.items()}
-
-
 def _phase(rank: int, world: int, port: int, load_from: str | None, save_to: str, out: str, extra: dict | None):
     """One trainer of ``world`` ranks: train a step (or restore ``load_from``), save to ``save_to``;
     rank 0 writes the full state to ``out``. Returns the rank's checkpoint extra."""
@@ -58,7 +48,7 @@ def _phase(rank: int, world: int, port: int, load_from: str | None, save_to: str
         worker.restore_state(lambda state: dcp.load(state, checkpoint_id=load_from), extra)
     state, extra = worker.checkpoint_state()
     dcp.save(state, checkpoint_id=save_to)
-    full = _full_state(worker)
+    full = full_state(worker)
     if rank == 0:
         torch.save({"sharded": sharded, "state": full}, out)
     worker.shutdown()

@@ -17,31 +17,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from kuberl.common.ports import unclaimed_port
-from kuberl.common.samples import Sample, TrainBatch
+from kuberl.common.samples import TrainBatch
 from kuberl.sync.adapter import ADAPTER_CONFIG, ADAPTER_EXPORT_DIR, ADAPTER_PREFIX, ADAPTER_WEIGHTS
 from kuberl.sync.buckets import plan_buckets
 from kuberl.sync.params import iter_buckets, param_metas
 from kuberl.train.lora import LoraOptions, apply_lora
 
+from tests.unit.train.tiny_trainer import save_tiny_qwen3, tiny_batch
+
 STEPS = 3
 LORA = LoraOptions(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj"))
-
-
-def _save_model(path) -> str:
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    config = Qwen3Config(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=16, intermediate_size=64, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return str(path)
-
-
-def _batch(step: int) -> TrainBatch:
-    g = torch.Generator().manual_seed(step)
-    return TrainBatch([Sample(prompt_ids=torch.randint(4, 128, (3 + i % 3,), generator=g).tolist(),
-                              response_ids=torch.randint(4, 128, (4 + i % 5,), generator=g).tolist(),
-                              advantage=float(i % 3) - 1.0, group=i // 2) for i in range(6)])
 
 
 def _worker(model_path: str, port: int, lora: LoraOptions | None = LORA, *, fsdp: bool = True):
@@ -71,7 +56,7 @@ def _with_ref(worker, batch: TrainBatch) -> TrainBatch:
 
 
 def test_lora_trains_only_the_adapters_syncs_them_and_resumes_exactly(tmp_path):
-    port, model = unclaimed_port(), _save_model(tmp_path / "model")
+    port, model = unclaimed_port(), save_tiny_qwen3(tmp_path / "model")
     worker = _worker(model, port)
     params = list(worker.model.parameters())
     assert all(isinstance(p, DTensor) for p in params)  # FSDP2 even at one rank (shard_single_rank)
@@ -82,7 +67,7 @@ def test_lora_trains_only_the_adapters_syncs_them_and_resumes_exactly(tmp_path):
     before = _params(worker)
 
     # B starts at 0: the policy starts as the base model, which is also the reference.
-    assert worker.log_probs(_batch(0)) == worker.ref_log_probs(_batch(0))
+    assert worker.log_probs(tiny_batch(0)) == worker.ref_log_probs(tiny_batch(0))
 
     losses = []
     for step in range(STEPS):
@@ -92,7 +77,7 @@ def test_lora_trains_only_the_adapters_syncs_them_and_resumes_exactly(tmp_path):
             assert set(state["model"]) == trainable
             assert {k for k in state["optim"]["state"]} == trainable
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ckpt")))
-        losses.append(worker.train_step(_with_ref(worker, _batch(step)))["loss"])
+        losses.append(worker.train_step(_with_ref(worker, tiny_batch(step)))["loss"])
     after = _params(worker)
     for name, value in before.items():
         if name in trainable:
@@ -100,7 +85,7 @@ def test_lora_trains_only_the_adapters_syncs_them_and_resumes_exactly(tmp_path):
         else:
             assert torch.equal(after[name], value), f"frozen {name} changed"
     assert any(after[k].abs().sum() > 0 for k in trainable if ".lora_B." in k)
-    assert worker.log_probs(_batch(0)) != worker.ref_log_probs(_batch(0))
+    assert worker.log_probs(tiny_batch(0)) != worker.ref_log_probs(tiny_batch(0))
 
     # The sync sends the adapters alone, under peft's saved names, as trained.
     metas = param_metas(worker.model, torch.float32)
@@ -138,7 +123,7 @@ def test_lora_trains_only_the_adapters_syncs_them_and_resumes_exactly(tmp_path):
     resumed = _worker(model, port)
     resumed.restore_state(lambda fresh: dcp.load(fresh, storage_reader=dcp.FileSystemReader(str(tmp_path / "ckpt"))),
                           extra)
-    assert [resumed.train_step(_with_ref(resumed, _batch(step)))["loss"] for step in range(1, STEPS)] == losses[1:]
+    assert [resumed.train_step(_with_ref(resumed, tiny_batch(step)))["loss"] for step in range(1, STEPS)] == losses[1:]
     for name, value in _params(resumed).items():
         assert torch.equal(value, after[name]), name
 
@@ -158,17 +143,17 @@ def test_lora_trains_only_the_adapters_syncs_them_and_resumes_exactly(tmp_path):
     resumed.export_hf(str(tmp_path / "merged"))
     assert (tmp_path / "merged" / ADAPTER_EXPORT_DIR / ADAPTER_WEIGHTS).exists()
     merged = _worker(str(tmp_path / "merged"), port, lora=None)
-    torch.testing.assert_close(torch.tensor(sum(merged.log_probs(_batch(5)), [])),
-                               torch.tensor(sum(resumed.log_probs(_batch(5)), [])), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(sum(merged.log_probs(tiny_batch(5)), [])),
+                               torch.tensor(sum(resumed.log_probs(tiny_batch(5)), [])), rtol=0, atol=1e-5)
     merged.shutdown()
 
 
 def test_lora_on_one_unsharded_rank_trains_the_adapters_alone(tmp_path):
     """One rank keeps a plain module (no FSDP2), as a one-GPU trainer does."""
-    worker = _worker(_save_model(tmp_path / "model"), unclaimed_port(), fsdp=False)
+    worker = _worker(save_tiny_qwen3(tmp_path / "model"), unclaimed_port(), fsdp=False)
     assert not isinstance(next(worker.model.parameters()), DTensor)
     before = _params(worker)
-    worker.train_step(_with_ref(worker, _batch(0)))
+    worker.train_step(_with_ref(worker, tiny_batch(0)))
     changed = {k for k, v in _params(worker).items() if not torch.equal(v, before[k])}
     assert changed and all(".lora_B." in k for k in changed)  # A's gradient is 0 while B is
     worker.shutdown()

@@ -11,28 +11,10 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from kuberl.common.ports import unclaimed_port
-from kuberl.common.samples import Sample, TrainBatch
+
+from tests.unit.train.tiny_trainer import save_tiny_qwen3, tiny_batch
 
 STEPS = 3
-
-
-def _save_model(path) -> str:
-    """Loaded from disk, not built from a seed: rank 0's weights are broadcast into the
-    offloaded shards as a job's are."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    config = Qwen3Config(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=16, intermediate_size=64, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return str(path)
-
-
-def _batch(step: int) -> TrainBatch:
-    g = torch.Generator().manual_seed(step)
-    return TrainBatch([Sample(prompt_ids=torch.randint(4, 128, (3 + i % 3,), generator=g).tolist(),
-                              response_ids=torch.randint(4, 128, (4 + i % 5,), generator=g).tolist(),
-                              advantage=float(i % 3) - 1.0, group=i // 2) for i in range(6)])
 
 
 def _worker(model_path: str, offload: bool, port: int):
@@ -51,11 +33,11 @@ def _weights(worker) -> dict[str, torch.Tensor]:
 
 
 def test_offload_trains_as_no_offload_and_resumes_exactly(tmp_path):
-    port, model = unclaimed_port(), _save_model(tmp_path / "model")
+    port, model = unclaimed_port(), save_tiny_qwen3(tmp_path / "model")
     plain = _worker(model, False, port)
     # One rank without offload keeps a plain module; offload needs FSDP2 even there.
     assert not isinstance(next(plain.model.parameters()), DTensor)
-    plain_losses = [plain.train_step(_batch(step))["loss"] for step in range(STEPS)]
+    plain_losses = [plain.train_step(tiny_batch(step))["loss"] for step in range(STEPS)]
     plain_weights = _weights(plain)
 
     offloaded = _worker(model, True, port)
@@ -66,7 +48,7 @@ def test_offload_trains_as_no_offload_and_resumes_exactly(tmp_path):
         if step == 1:
             state, extra = offloaded.checkpoint_state()
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ckpt")))
-        metrics = offloaded.train_step(_batch(step))
+        metrics = offloaded.train_step(tiny_batch(step))
         losses.append(metrics["loss"])
     weights = _weights(offloaded)
     # The optimizer's moments stay with the offloaded shards, on the host.
@@ -87,7 +69,7 @@ def test_offload_trains_as_no_offload_and_resumes_exactly(tmp_path):
     resumed = _worker(model, True, port)
     resumed.restore_state(lambda fresh: dcp.load(fresh, storage_reader=dcp.FileSystemReader(str(tmp_path / "ckpt"))),
                           extra)
-    assert [resumed.train_step(_batch(step))["loss"] for step in range(1, STEPS)] == losses[1:]
+    assert [resumed.train_step(tiny_batch(step))["loss"] for step in range(1, STEPS)] == losses[1:]
     for name, value in _weights(resumed).items():
         assert torch.equal(value, weights[name]), name
     resumed.shutdown()
