@@ -249,7 +249,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
     def pods_by_job(namespace, labels, meta, spec, status, **_):
         # The pod's usage, not its spec: the accounting (kuberl_operator.cost) needs a few numbers.
         return {(namespace, labels[JOB_LABEL]): {"metadata": _slim_meta(meta),
-                                                 "status": indexed_pod_status(_plain(status)),
+                                                 "status": _plain(indexed_pod_status(status)),
                                                  "usage": pod_usage(meta, spec, status)}}
 
     def _capture(memo, kwargs) -> Controller:
