@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_speed import PRESETS, _init_single_process_env, make_config, matmul_tflops, step_flops  # noqa: E402
+from train_speed import (PRESETS, GcClock, _init_single_process_env, make_config, matmul_tflops,  # noqa: E402
+                         profile_step, step_flops)
 
 
 def _import_torchtitan(site: str | None):
@@ -128,24 +129,20 @@ def run_peer(name: str, preset: dict, args, *, ac_mode: str, ac_option: str, loc
         schedulers.step()
         return torch.stack(losses).sum().item()  # the host sync Trainer's logging does too
 
-    times = []
+    times, clock = [], GcClock()
     torch.cuda.synchronize()
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             torch.cuda.reset_peak_memory_stats()
+            clock.start()
         start = time.perf_counter()
         loss = train_step()
         torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
-    if args.profile:  # one more step, for where the time goes (kernel table on stdout)
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            train_step()
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.profile,
-                                        max_name_column_width=90), flush=True)
+    clock.stop()
+    if args.profile:
+        profile_step(train_step, name, args)
     step_s = statistics.median(times)
     config = make_config(preset, moe=False)
     lengths = [seq] * samples
@@ -154,6 +151,7 @@ def run_peer(name: str, preset: dict, args, *, ac_mode: str, ac_option: str, loc
               "tokens_per_s": sum(lengths) / step_s, "tflops_per_gpu": flops / step_s / world / 1e12,
               "mfu": flops / step_s / world / (peak * 1e12), "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
               "tokens_per_step": sum(lengths), "loss": loss, "ac": f"{ac_mode}:{ac_option}",
+              "gc_seconds": clock.seconds, "gc_collections": clock.collections,
               "local_batch": local_batch, "fsdp": dims.fsdp_enabled,
               "param_dtype": str(TORCH_DTYPE_MAP[job.training.mixed_precision_param])}
     del model, optimizers, schedulers
@@ -165,6 +163,7 @@ def run_peer(name: str, preset: dict, args, *, ac_mode: str, ac_option: str, loc
 VARIANTS = {  # name: (activation_checkpoint.mode, selective_ac_option, local batch size)
     "selective-op": ("selective", "op", 4),  # torchtitan's Qwen3 configs' default mode
     "selective-2": ("selective", "2", 4),    # every other block, like our checkpoint every 2nd layer
+    "selective-4": ("selective", "4", 4),    # every 4th block, like our checkpoint every 4th layer
     "full": ("full", "2", 4),
     "none": ("none", "2", 1),
     "none-4": ("none", "2", 4),  # no checkpointing at 4 x 4096 (fits a 141 GB H200)
@@ -179,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
-                        help="profile one more step per variant and print this many kernels by GPU time")
+                        help="profile two more steps per variant: this many kernels by GPU time, and the GPU's idle gaps")
+    parser.add_argument("--trace-dir", metavar="DIR", help="with --profile: keep each variant's Chrome traces here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a GPU (torchtitan's compiled training path)")

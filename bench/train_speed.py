@@ -114,39 +114,55 @@ def rl_batch(n: int, prompt: int, response: tuple[int, int], vocab: int, seed: i
                               advantage=rng.uniform(-1, 1), group=i) for i in range(n)])
 
 
+class GcClock:
+    """Python's garbage collector over the timed steps: collections per generation and their
+    seconds (``gc.callbacks``). A full collection walks every tracked object, and a trainer
+    process holds many (modules, compiled graphs), so collections land inside steps."""
+
+    def __init__(self):
+        self.seconds, self.collections, self._start = 0.0, [0, 0, 0], None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self.collections[info["generation"]] += 1
+
+    def start(self) -> None:
+        gc.callbacks.append(self)
+
+    def stop(self) -> None:
+        if self in gc.callbacks:
+            gc.callbacks.remove(self)
+
+
 def run_trainer(name: str, model_config, options: ModelOptions, batch: TrainBatch, args, *, rank: int,
                 world: int, device: torch.device, peak: float | None, micro_batch_size: int = 1,
-                micro_batch_tokens: int = 0, foreach_adamw: bool = False) -> dict:
+                micro_batch_tokens: int = 0) -> dict:
     torch._dynamo.reset()
     trainer_config = TrainerConfig(lr=1e-5, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
                                    kl_coef=0.0, entropy_coef=0.001, router_aux_loss_coef=0.001, model=options)
     worker = TrainerWorker(None, trainer_config, rank=rank, world_size=world, master_addr=os.environ["MASTER_ADDR"],
                            master_port=int(os.environ["MASTER_PORT"]), device=device, random_init_config=model_config)
-    if foreach_adamw:  # the optimizer before this change, for the "before" row
-        worker.optimizer = torch.optim.AdamW(worker.model.parameters(), lr=1e-5, foreach=True)
-        worker.scheduler = torch.optim.lr_scheduler.LambdaLR(worker.optimizer, lambda step: 1.0)
     on_gpu = device.type == "cuda"
-    times, first = [], None
+    times, first, clock = [], None, GcClock()
     for step in range(args.warmup + args.steps):
         if on_gpu:
             torch.cuda.synchronize()
             if step == args.warmup:
                 torch.cuda.reset_peak_memory_stats()
+        if step == args.warmup:
+            clock.start()
         start = time.perf_counter()
         metrics = worker.train_step(batch)  # returns after the metric all-reduce and .item(): work is done
         elapsed = time.perf_counter() - start
         first = first if first is not None else elapsed
         if step >= args.warmup:
             times.append(elapsed)
-    if getattr(args, "profile", 0) and on_gpu:  # one more step, for where the time goes (kernel table on stdout)
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            worker.train_step(batch)
-            torch.cuda.synchronize()
-        print(f"profile of {name}:\n" + prof.key_averages().table(sort_by="self_cuda_time_total",
-                                                                   row_limit=args.profile, max_name_column_width=90),
-              flush=True)
+    clock.stop()
+    if getattr(args, "profile", 0) and on_gpu:
+        profile_step(lambda: worker.train_step(batch), name, args)
     step_s = statistics.median(times)
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in batch.samples]
     scored = sum(len(s.response_ids) for s in batch.samples)
@@ -158,12 +174,50 @@ def run_trainer(name: str, model_config, options: ModelOptions, batch: TrainBatc
         "mfu": flops / step_s / world / (peak * 1e12) if peak else None,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else 0.0,
         "tokens_per_step": sum(lengths), "loss": metrics["loss"], "skipped": metrics["skipped"],
+        "gc_seconds": clock.seconds, "gc_collections": clock.collections,
     }
     del worker
     gc.collect()
     if on_gpu:
         torch.cuda.empty_cache()
     return result
+
+
+def profile_step(step, name: str, args) -> None:
+    """Two more steps under ``torch.profiler``: the first for the kernel table and the GPU's idle
+    time, the second with Python stacks for what the host ran in each gap (``bench/gpu_gaps.py``;
+    the stacks slow the host, so the idle total is the first's). Printed on stdout; the traces
+    are kept under ``--trace-dir`` when given."""
+    import gzip
+    import shutil
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from gpu_gaps import idle_report
+
+    slug = "".join(c if c.isalnum() else "-" for c in name)
+    for with_stack in (False, True):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=with_stack) as prof:
+            with record_function("step"):  # the window opens with the step's first line, not its first operator
+                step()
+                torch.cuda.synchronize()
+        if not with_stack:
+            print(f"profile of {name}:\n" + prof.key_averages().table(
+                sort_by="self_cuda_time_total", row_limit=args.profile, max_name_column_width=90), flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(trace)
+            try:
+                report = idle_report(trace, top=12, min_us=20.0)
+            except Exception as exc:  # noqa: BLE001 - the analysis must not cost the run its numbers
+                report = f"gap analysis failed: {exc!r}"
+            print(f"GPU idle in {name} ({'with Python stacks' if with_stack else 'no stacks'}):\n{report}", flush=True)
+            if getattr(args, "trace_dir", None):
+                os.makedirs(args.trace_dir, exist_ok=True)
+                dest = os.path.join(args.trace_dir, f"{slug}{'-stacks' if with_stack else ''}.json.gz")
+                with open(trace, "rb") as src, gzip.open(dest, "wb") as out:
+                    shutil.copyfileobj(src, out)
 
 
 def logprob_memory(preset: dict, device: torch.device) -> list[dict]:
@@ -225,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
-                        help="profile one more step of each variant and print its top ROWS kernels")
+                        help="profile two more steps of each variant: its top ROWS kernels and the GPU's idle gaps")
+    parser.add_argument("--trace-dir", metavar="DIR", help="with --profile: keep each variant's Chrome traces here")
     args = parser.parse_args(argv)
     sections = args.sections.split(",")
     if set(sections) - set(SECTIONS):
@@ -273,9 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         # Before issue 36: FSDP2 on the one-rank mesh and FlashAttention-2 for packed rows.
         sharded_flash = dict(new, shard_single_rank=True, uniform_sdpa=False)
         variants = {
+            # The path before issue 20, but for its foreach AdamW: the trainer's skip of a
+            # non-finite update takes the fused optimizer (issue 36).
             "before": (ModelOptions(param_dtype=dtype, attn_implementation="sdpa", logprob_chunk_tokens=0,
-                                    compile_layers=False, reshard_after_forward=True), dict(micro_batch_size=1,
-                                                                                          foreach_adamw=True)),
+                                    compile_layers=False, reshard_after_forward=True), dict(micro_batch_size=1)),
             "ckpt-all": (ModelOptions(**new), dict(micro_batch_tokens=4 * seq)),
             "ckpt-half": (ModelOptions(**new, checkpoint_every=2), dict(micro_batch_tokens=4 * seq)),
             "ckpt-quarter": (ModelOptions(**new, checkpoint_every=4), dict(micro_batch_tokens=4 * seq)),

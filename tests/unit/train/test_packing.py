@@ -39,6 +39,17 @@ def test_chunked_logprobs_entropy_match_full_logits_values_and_gradients(with_en
             torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
 
 
+def test_chunked_logprobs_kept_logits_refuse_a_second_backward():
+    # The backward overwrites the kept logits with their gradient: a second pass must fail, not
+    # read that.
+    hidden = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
+    lp, ent = chunked_logprobs_entropy(hidden, weight, torch.arange(5), chunk_tokens=2)
+    (lp.sum() + ent.sum()).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (lp.sum() + ent.sum()).backward()
+
+
 def _batch() -> TrainBatch:
     g = torch.Generator().manual_seed(0)
     samples = [Sample(prompt_ids=torch.randint(4, 100, (3 + i % 4,), generator=g).tolist(),

@@ -7,8 +7,10 @@ tensor, kept for backward. ``TokenLogProbHead`` replaces the model's ``lm_head``
 parameter, same state-dict key) and, when asked, computes only the rows that are trained on, in
 chunks of ``chunk_tokens`` rows. What is kept for backward is the hidden states, two floats per
 token and, while they fit in ``keep_logits_bytes``, the logits in the compute dtype (bf16 on GPU:
-4.4 GB for 14,336 rows at vocab 151,936); past that budget the backward recomputes them, one more
-pass of the head's matmul. Without a request it is the plain linear head (exports, ``generate``).
+4.4 GB for 14,336 rows at vocab 151,936); the backward turns kept logits into their gradient in
+place and takes both gradients as one matmul each. Past that budget the backward recomputes them
+slice by slice, one more pass of the head's matmul. Without a request it is the plain linear head
+(exports, ``generate``).
 
 Gradients, with ``z`` the temperature-scaled logits of one row, ``p = softmax(z)``,
 ``H = -sum p log p``:  ``d log p_t / dz = onehot(t) - p`` and ``dH / dz = -p * (log p + H)``.
@@ -50,15 +52,32 @@ def _chunk_forward(logits: torch.Tensor, targets: torch.Tensor, inv_temp: float,
     return logprobs, lse, entropy
 
 
-def _chunk_grad_logits(logits: torch.Tensor, inv_temp: float, lse: torch.Tensor, entropy: torch.Tensor | None,
+def _dense_grad_logits(logits: torch.Tensor, inv_temp: float, lse: torch.Tensor, entropy: torch.Tensor | None,
                        grad_lp: torch.Tensor, grad_ent: torch.Tensor | None) -> torch.Tensor:
-    """d loss / d logits without the one-hot term of the log-prob (added sparsely by the caller)."""
+    """d loss / d logits without the one-hot term of the log-prob, in the accumulation dtype."""
     log_p = logits.to(_acc(logits.dtype)) * inv_temp - lse[:, None]
     p = torch.exp(log_p)
     coef = grad_lp[:, None]
     if grad_ent is not None:
         coef = coef + grad_ent[:, None] * (log_p + entropy[:, None])
-    return (-p * coef * inv_temp).to(logits.dtype)
+    return -p * coef * inv_temp
+
+
+def _chunk_grad_logits(logits: torch.Tensor, inv_temp: float, lse: torch.Tensor, entropy: torch.Tensor | None,
+                       grad_lp: torch.Tensor, grad_ent: torch.Tensor | None) -> torch.Tensor:
+    """d loss / d logits without the one-hot term of the log-prob (added sparsely by the caller)."""
+    return _dense_grad_logits(logits, inv_temp, lse, entropy, grad_lp, grad_ent).to(logits.dtype)
+
+
+def _chunk_grad_logits_into(logits: torch.Tensor, inv_temp: float, lse: torch.Tensor, entropy: torch.Tensor | None,
+                            grad_lp: torch.Tensor, grad_ent: torch.Tensor | None, targets: torch.Tensor) -> None:
+    """d loss / d logits, the one-hot term included (``targets`` relative to this slice's first
+    column), written over ``logits`` in place: a kept slice is read once and never again."""
+    hit = torch.arange(logits.shape[1], device=logits.device)[None, :] == targets[:, None]
+    onehot = torch.where(hit, grad_lp[:, None] * inv_temp, 0.0)
+    # Added before the one rounding to the logits' dtype: where p of the target is near 1 the two
+    # terms nearly cancel.
+    logits.copy_(_dense_grad_logits(logits, inv_temp, lse, entropy, grad_lp, grad_ent) + onehot)
 
 
 _COMPILED: dict = {}
@@ -123,6 +142,18 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
         # kernels at a third of the speed).
         align = 128 if weight.is_cuda else 1
         width = max(align, chunk * vocab // max(n, 1) // align * align)
+        if ctx.kept:
+            # The kept logits become d loss / d logits, slice by slice in place (one-hot term
+            # included); then each gradient is one matmul over the whole vocabulary, in the compute
+            # dtype. Per slice, a partial product of grad_hidden added into fp32 and grad_weight's
+            # slice copied into fp32, then both cast back: ~7 ms of kernels a step in an H200
+            # profile (issue 36).
+            # A second backward (retain_graph) fails on the saved tensor's version, as autograd
+            # checks it.
+            for lo in range(0, vocab, width):
+                logits = kept[:, lo:min(vocab, lo + width)]
+                _fused(_chunk_grad_logits_into, logits)(logits, inv_temp, lse, entropy, grad_lp, grad_ent, targets - lo)
+            return kept @ weight, kept.t() @ hidden, None, None, None, None, None
         grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
         grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device)
         for lo in range(0, vocab, width):

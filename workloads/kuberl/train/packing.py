@@ -21,7 +21,9 @@ changes between micro-batches becomes a dynamic int after the first recompile).
 from __future__ import annotations
 
 import inspect
+from itertools import chain
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -150,17 +152,29 @@ def register_packed_attention() -> None:
     AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the GPU. torch synchronizes the stream after
+    a host-to-GPU copy with ``non_blocking=False`` (and a copy from pageable memory cannot be
+    asynchronous), so a micro-batch's inputs copied while the previous one's backward runs drained
+    the queue first and the next kernels started on an idle GPU (bench/gpu_gaps.py's profile,
+    issue 36). From pinned memory the copy is queued like a kernel; torch's caching host allocator
+    keeps the pinned block until the copy has run."""
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def attention_kwargs(lengths: list[int], device: torch.device) -> dict:
     """Model forward kwargs that make ``PACKED_ATTENTION`` treat one row as these documents."""
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
-    cu = cu.to(device)
+    cu = to_device(cu, device)
     longest = max(lengths)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 def position_ids(lengths: list[int], device: torch.device) -> torch.Tensor:
-    return torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+    return to_device(torch.cat([torch.arange(n) for n in lengths])[None], device)
 
 
 def packed_fields(samples, old_logprobs, ref_logprobs, device: torch.device,
@@ -168,10 +182,12 @@ def packed_fields(samples, old_logprobs, ref_logprobs, device: torch.device,
     """The tensors of one packed micro-batch (``worker.MicroBatch`` fields): every grid is
     ``(1, T-1)``, position t predicting token t+1; the positions that cross from one sample into
     the next are never in the mask. Advantages are per token (each sample's on its own tokens)."""
-    seqs = [s.prompt_ids + s.response_ids for s in samples]
-    lengths = [len(x) for x in seqs]
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     width = sum(lengths) - 1
-    ids = torch.tensor([t for seq in seqs for t in seq], dtype=torch.long)[None]
+    # numpy reads the token lists three times faster than torch.tensor (host time before the
+    # step's first kernel).
+    tokens = chain.from_iterable(part for s in samples for part in (s.prompt_ids, s.response_ids))
+    ids = torch.from_numpy(np.fromiter(tokens, dtype=np.int64, count=width + 1))[None]
     mask = torch.zeros(1, width)
     advantages = torch.zeros(1, width)
     old = torch.zeros(1, width) if old_logprobs is not None else None
@@ -192,12 +208,13 @@ def packed_fields(samples, old_logprobs, ref_logprobs, device: torch.device,
         if behaviour is not None:
             behaviour[0, start:end] = torch.tensor(behaviour_logprobs[i], dtype=torch.float32)
         offset += n
+    ids = to_device(ids, device)
     return dict(
-        input_ids=ids.to(device), attention_mask=None, targets=ids[:, 1:].to(device), mask=mask.to(device),
-        response_lengths=[len(s.response_ids) for s in samples], response_starts=starts,
-        response_rows=[0] * len(samples), advantages=advantages.to(device),
-        old_logprobs=old.to(device) if old is not None else None,
-        ref_logprobs=ref.to(device) if ref is not None else None,
-        behaviour_logprobs=behaviour.to(device) if behaviour is not None else None,
+        input_ids=ids, attention_mask=None, targets=ids[:, 1:],
+        mask=to_device(mask, device), response_lengths=[len(s.response_ids) for s in samples],
+        response_starts=starts, response_rows=[0] * len(samples), advantages=to_device(advantages, device),
+        old_logprobs=to_device(old, device) if old is not None else None,
+        ref_logprobs=to_device(ref, device) if ref is not None else None,
+        behaviour_logprobs=to_device(behaviour, device) if behaviour is not None else None,
         position_ids=position_ids(lengths, device), attention_kwargs=attention_kwargs(lengths, device),
     )

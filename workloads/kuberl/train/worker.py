@@ -111,7 +111,7 @@ def _grid(rows: list[list[float]], starts: list[int], width: int, device) -> tor
     out = torch.zeros(len(rows), width, dtype=torch.float32)
     for i, (row, start) in enumerate(zip(rows, starts)):
         out[i, start:start + len(row)] = torch.tensor(row, dtype=torch.float32)
-    return out.to(device)
+    return packing.to_device(out, device)
 
 
 def make_micro_batch(batch: TrainBatch, device: torch.device, pad_id: int = 0,
@@ -131,11 +131,12 @@ def make_micro_batch(batch: TrainBatch, device: torch.device, pad_id: int = 0,
         mask = s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids)
         w = 1.0 if weights is None else weights[i]
         masks.append([m * w for m in mask])
+    ids = packing.to_device(ids, device)
     return MicroBatch(
-        input_ids=ids.to(device), attention_mask=attn.to(device), targets=ids[:, 1:].to(device),
+        input_ids=ids, attention_mask=packing.to_device(attn, device), targets=ids[:, 1:],
         mask=_grid(masks, starts, width - 1, device), response_lengths=[len(s.response_ids) for s in batch.samples],
         response_starts=starts, response_rows=list(range(len(seqs))),
-        advantages=torch.tensor([s.advantage for s in batch.samples], dtype=torch.float32, device=device),
+        advantages=packing.to_device(torch.tensor([s.advantage for s in batch.samples], dtype=torch.float32), device),
         old_logprobs=_grid(batch.old_logprobs, starts, width - 1, device) if batch.old_logprobs is not None else None,
         ref_logprobs=_grid(batch.ref_logprobs, starts, width - 1, device) if batch.ref_logprobs is not None else None,
         behaviour_logprobs=(_grid(behaviour_rows(batch.samples), starts, width - 1, device) if behaviour else None),
@@ -163,7 +164,17 @@ def sequence_index(mb: MicroBatch) -> torch.Tensor:
     index = torch.zeros(mb.mask.shape, dtype=torch.long)
     for j, (row, start, n) in enumerate(zip(mb.response_rows, mb.response_starts, mb.response_lengths)):
         index[row, start:start + n] = j
-    return index.to(mb.mask.device)
+    return packing.to_device(index, mb.mask.device)
+
+
+def scored_positions(mb: MicroBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid's ``(row, column)`` of every response token, sample after sample (one tensor op
+    per sample: a Python list per token, or CPU ``repeat_interleave``, took milliseconds of host
+    time the GPU waited through)."""
+    spans = list(zip(mb.response_rows, mb.response_starts, mb.response_lengths))
+    rows = torch.cat([torch.full((n,), row, dtype=torch.long) for row, _, n in spans])
+    cols = torch.cat([torch.arange(start, start + n) for _, start, n in spans])
+    return packing.to_device(rows, device), packing.to_device(cols, device)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -226,13 +237,12 @@ class TrainerWorker:
                                                  expert_mesh=self.expert_mesh)
                               if config.kl_coef > 0 and config.model.lora is None else None)
         self.is_moe = is_moe_config(self.hf_config)
-        # Fused on GPU (one kernel over all parameters instead of several foreach passes); its share
-        # of the speed-up in bench/train_speed.py was not measured separately.
-        # Offloaded, the parameters and moments are CPU tensors: the optimizer steps there, unfused.
+        # Fused (one kernel over all parameters instead of several foreach passes), on the GPU and on
+        # the host alike (offloaded, the parameters and moments are CPU tensors): the fused kernels
+        # alone take ``found_inf``, which lets train_step skip a non-finite update without a host sync.
         # With LoRA only the adapters train: neither gradients nor moments exist for the base.
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=config.lr,
-                                           weight_decay=config.weight_decay,
-                                           fused=on_gpu and not config.model.cpu_offload)
+                                           weight_decay=config.weight_decay, fused=True)
         warmup = config.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
@@ -270,10 +280,12 @@ class TrainerWorker:
             ranges = packing.split_by_tokens([len(s.prompt_ids) + len(s.response_ids) for s in mine.samples],
                                              self.config.micro_batch_tokens)
             # Every rank runs as many micro-batches as the rank that needs the most (FSDP2
-            # collectives must match); the extra ones repeat the last sample with weight 0.
-            count = torch.tensor([len(ranges)], device=self.device)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
-            extra_micro = int(count.item()) - len(ranges)
+            # collectives must match); the extra ones repeat the last sample with weight 0. A host
+            # sync, so only where there are other ranks.
+            if self.world_size > 1:
+                count = torch.tensor([len(ranges)], device=self.device)
+                dist.all_reduce(count, op=dist.ReduceOp.MAX)
+                extra_micro = int(count.item()) - len(ranges)
         else:
             ranges = [(lo, lo + mbs) for lo in range(0, per_rank, mbs)]
         out = []
@@ -300,9 +312,7 @@ class TrainerWorker:
         inputs = dict(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
                       **({"position_ids": mb.position_ids} if mb.position_ids is not None else {}),
                       **mb.attention_kwargs, **({"output_router_logits": True} if want_router else {}))
-        rows = torch.tensor([r for r, n in zip(mb.response_rows, mb.response_lengths) for _ in range(n)])
-        cols = torch.cat([torch.arange(start, start + n) for start, n in zip(mb.response_starts, mb.response_lengths)])
-        rows, cols = rows.to(self.device), cols.to(self.device)
+        rows, cols = scored_positions(mb, self.device)
         logprobs, entropy, out = score_tokens(model, inputs, rows, cols, mb.targets[rows, cols], tuple(mb.targets.shape),
                                               temperature=self.config.temperature, with_entropy=with_entropy)
         aux = getattr(out, "aux_loss", None) if want_router else None
@@ -340,20 +350,31 @@ class TrainerWorker:
 
     # ---- the optimisation step ------------------------------------------------------------
 
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum over the ranks in place; nothing to do (no kernel, no launch) on one rank."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         cfg = self.config
         if cfg.kl_coef > 0 and batch.ref_logprobs is None:
             raise SampleError("spec.algorithm.klCoef > 0 but the TrainBatch has no ref_logprobs "
                               "(call TrainerGroup.ref_log_probs first)")
-        self.model.train()
+        if not self.model.training:  # train() walks every module: milliseconds before the first kernel
+            self.model.train()
         parts = self._rank_micro_batches(batch)
-        micro = [self._micro_batch(p, w) for p, w in parts]
+        # The first micro-batch's forward is queued before the others are packed, so the host
+        # packs them while the GPU runs it instead of before it (the GPU's first idle milliseconds
+        # of every step; the losses below still wait for the whole update's totals).
+        micro = [self._micro_batch(*parts[0])]
+        first = self._forward(self.model, micro[0], with_entropy=True)
+        micro += [self._micro_batch(p, w) for p, w in parts[1:]]
         indexes = [sequence_index(mb) for mb in micro]
         # The update's trained tokens and sequences over all ranks: the algorithm's loss divisors.
         counts = torch.stack([sum(mb.mask.sum() for mb in micro),
                               sum((L.sequence_sums(mb.mask, index, len(mb.response_lengths)) > 0).sum()
                                   for mb, index in zip(micro, indexes)).to(torch.float32)])
-        dist.all_reduce(counts)
+        self._all_reduce(counts)
         global_tokens = counts[0]
         totals = UpdateTotals(tokens=global_tokens, sequences=counts[1], max_response_tokens=cfg.max_response_tokens)
         # FSDP2 averages gradients over ranks; each rank's loss is its share of the update's loss
@@ -361,8 +382,8 @@ class TrainerWorker:
         # that of the whole update's loss.
         scale = float(self.world_size)
         sums = torch.zeros(len(METRIC_NAMES), dtype=torch.float32, device=self.device)
-        for mb, index in zip(micro, indexes):
-            logprobs, entropy, aux = self._forward(self.model, mb, with_entropy=True)
+        for i, (mb, index) in enumerate(zip(micro, indexes)):
+            logprobs, entropy, aux = first if i == 0 else self._forward(self.model, mb, with_entropy=True)
             # On-policy single update: without old log-probs the ratio is exactly 1.
             old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
             tis = (L.TruncatedIS((old - mb.behaviour_logprobs) * (mb.mask > 0), cfg.tis_cap)
@@ -383,30 +404,40 @@ class TrainerWorker:
         grad_norm = clip_grad_norm(list(self.model.parameters()), cfg.max_grad_norm)
         nonfinite = (~torch.isfinite(grad_norm)).float().reshape(1).to(self.device)
         # One collective for every metric and the skip decision, after all micro-batches: every
-        # rank sees the same sum, hence takes the same branch below.
+        # rank sees the same sum, hence takes the same decision below.
         reduced = torch.cat([sums, nonfinite])
-        dist.all_reduce(reduced)
+        self._all_reduce(reduced)
         lr = self.scheduler.get_last_lr()[0]
-        skipped = bool(reduced[-1].item() > 0)
-        checkpoint_wait = 0.0
+        # The skip decision stays on the device, so the optimizer is queued behind the backward
+        # instead of launched on an idle GPU after a sync: the fused AdamW kernels leave
+        # parameters and moments untouched where ``found_inf`` is 1 and take the step count back
+        # (the hook torch's GradScaler uses; tests/unit/train/test_skip_update.py fails if it
+        # changes). The scheduler and counters follow below, once the metrics are read.
+        checkpoint_wait = self.before_update()  # the step count moves and moves back even when skipped
+        self.optimizer.found_inf = (reduced[-1] > 0).float()
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+        self.optimizer.zero_grad(set_to_none=True)
+        # The step's one host sync, with the optimizer's kernels already queued.
+        *metric_values, nonfinite_ranks, norm = torch.cat([reduced, grad_norm.reshape(1).to(reduced)]).tolist()
+        skipped = nonfinite_ranks > 0
         if skipped:
-            # No optimizer.step(): AdamW with zero grads would still decay weights, move the
-            # moments and advance its step count. Parameters, moments, step and LR stay as they are.
+            # AdamW with zero grads would still have decayed weights, moved the moments and
+            # advanced its step count. Parameters, moments, step and LR stay as they are.
             self.skipped_steps += 1
             log.warning("rank %d: non-finite grad norm %s; update skipped (%d so far)",
-                        self.rank, grad_norm.item(), self.skipped_steps)
+                        self.rank, norm, self.skipped_steps)
         else:
-            checkpoint_wait = self.before_update()
-            self.optimizer.step()
             self.scheduler.step()
             self.optimizer_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        values = dict(zip(METRIC_NAMES, reduced[:-1].tolist()))
+        values = dict(zip(METRIC_NAMES, metric_values))
         tokens = values["tokens"]
         return {
             "loss": values["loss"], "pg_loss": values["pg_loss"], "kl": values["kl"],
             "entropy": values["entropy"], "aux_loss": values["aux_loss"],
-            "grad_norm": float(grad_norm.item()), "lr": float(lr),
+            "grad_norm": norm, "lr": float(lr),
             "clip_frac": values["clipped_tokens"] / tokens if tokens else 0.0,
             # algorithm.tis: the token mean of pi_old / mu before truncation, and the share truncated
             # (both 0 without it).
