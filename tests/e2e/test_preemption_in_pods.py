@@ -4,7 +4,12 @@ checkpoints the step in flight at the next step boundary; the hook holds the pod
 checkpoint is committed, and only then does the pod go. The driver then recovers the trainer group
 in place from that checkpoint or a newer one (same attempt, same Ray cluster): no step done before
 the notice is lost. The job's periodic checkpoints are too far apart to count, so the restored one
-is the notice's. The job's reward function comes from a ConfigMap, not the image (issue 35)."""
+is the notice's. The job's reward function comes from a ConfigMap, not the image (issue 35).
+
+Then, on the same job, the head pod killed (`--force`: no notice): the driver and the Ray cluster
+go with it, the attempt fails and the operator starts a new one, which restores the newest
+checkpoint. The test times the kill to the new attempt's first step and counts the steps lost
+(completed by the old attempt after that checkpoint)."""
 
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ TIMEOUT_S = 900  # a trainer pod's start here, CPU-bound at high load (test_resi
 NOTICE = re.compile(r"preemption notice from (\S+): checkpointing step (\d+), the step in flight")
 RECOVERED = re.compile(r"trainer group recovered in ([\d.]+) s \(epoch (\d+)\): restored step (\d+)")
 STEP_LINE = re.compile(r"step (\d+)/\d+ ")
+RESUMED = re.compile(r"resumed from \S+ \(step (\d+)\)")
 
 
 def step(status: dict) -> int:
@@ -81,4 +87,35 @@ def test_a_trainer_pod_deleted_gracefully_commits_the_step_in_flight_and_loses_n
                   f"{noticed} / {restored} / {max(0, completed - restored)}")
     # With Ray's drain off (RAY_DRAIN_ENV), at most the step the rank was in as SIGTERM came.
     assert completed - restored <= 1, f"steps {restored + 1}-{completed} ran past the committed checkpoint"
+
+    the_head_killed_is_a_new_attempt_from_the_newest_checkpoint(product, driver)
     product.kubectl("delete", "rltj", JOB, "-n", NAMESPACE, "--wait=true", "--timeout=120s")
+
+
+def the_head_killed_is_a_new_attempt_from_the_newest_checkpoint(product, driver) -> None:
+    """The head pod killed (no grace, no notice): the attempt ends and the next one restores the
+    newest checkpoint (docs/operations.md, the fault matrix's head rows)."""
+    [head] = [p["metadata"]["name"] for p in get_json(product.cluster, "pods", "-n", NAMESPACE, "-l",
+                                                      f"kuberl.dev/job={JOB},kuberl.dev/role=head")["items"]]
+    newest = product.status(JOB)["lastCheckpoint"]["step"]
+    product.kubectl("delete", "pod", head, "-n", NAMESPACE, "--grace-period=0", "--force", "--wait=false")
+    killed = time.monotonic()
+    product.wait_status(JOB, "a new attempt", lambda s: s.get("restarts", 0) >= 1, TIMEOUT_S)
+    record_timing("head pod kill -> the new attempt's RayJob", f"{time.monotonic() - killed:.0f} s")
+
+    def first_step_of_the_new_attempt():
+        logs = product.evidence.driver_logs(JOB)
+        return len(logs) > 1 and STEP_LINE.search(logs[-1].read_text(errors="replace"))
+    wait_for("the new attempt's first step", first_step_of_the_new_attempt, product.cluster, timeout=TIMEOUT_S,
+             interval=1)
+    again = time.monotonic() - killed
+    old, new = driver.read_text(errors="replace"), product.evidence.driver_logs(JOB)[-1].read_text(errors="replace")
+    resumed = RESUMED.search(new)
+    assert resumed and int(resumed.group(1)) == newest, new[-3000:]
+    completed = max(int(m.group(1)) for m in STEP_LINE.finditer(old))
+    assert int(STEP_LINE.search(new).group(1)) == newest + 1
+    status = product.status(JOB)
+    assert status["phase"] == "Running" and status["restarts"] == 1, status
+    record_timing("head pod kill -> training again (a new attempt)", f"{again:.0f} s")
+    record_timing("head pod kill: the newest checkpoint / the last step done / steps lost",
+                  f"{newest} / {completed} / {completed - newest}")
