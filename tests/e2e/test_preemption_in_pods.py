@@ -4,7 +4,12 @@ checkpoints the step in flight at the next step boundary; the hook holds the pod
 checkpoint is committed, and only then does the pod go. The driver then recovers the trainer group
 in place from that checkpoint or a newer one (same attempt, same Ray cluster): no step done before
 the notice is lost. The job's periodic checkpoints are too far apart to count, so the restored one
-is the notice's. The job's reward function comes from a ConfigMap, not the image (issue 35)."""
+is the notice's. The job's reward function comes from a ConfigMap, not the image (issue 35).
+
+Then, on the same job, the head pod killed (`--force`: no notice): the driver and the Ray
+cluster's GCS go with it, and a new driver on a new head restores the newest checkpoint. The test
+times the kill to the new driver's first step and counts the steps lost (completed after that
+checkpoint)."""
 
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ TIMEOUT_S = 900  # a trainer pod's start here, CPU-bound at high load (test_resi
 NOTICE = re.compile(r"preemption notice from (\S+): checkpointing step (\d+), the step in flight")
 RECOVERED = re.compile(r"trainer group recovered in ([\d.]+) s \(epoch (\d+)\): restored step (\d+)")
 STEP_LINE = re.compile(r"step (\d+)/\d+ ")
+RESUMED = re.compile(r"resumed from \S+ \(step (\d+)\)")
 
 
 def step(status: dict) -> int:
@@ -81,4 +87,43 @@ def test_a_trainer_pod_deleted_gracefully_commits_the_step_in_flight_and_loses_n
                   f"{noticed} / {restored} / {max(0, completed - restored)}")
     # With Ray's drain off (RAY_DRAIN_ENV), at most the step the rank was in as SIGTERM came.
     assert completed - restored <= 1, f"steps {restored + 1}-{completed} ran past the committed checkpoint"
+
+    the_head_killed_is_a_new_attempt_from_the_newest_checkpoint(product, driver)
     product.kubectl("delete", "rltj", JOB, "-n", NAMESPACE, "--wait=true", "--timeout=120s")
+
+
+def the_head_killed_is_a_new_attempt_from_the_newest_checkpoint(product, driver) -> None:
+    """The head pod killed (no grace, no notice): the driver and its Ray cluster's GCS go with it,
+    and a new driver on a new head restores the newest checkpoint (docs/operations.md, the fault
+    matrix's head rows). Which new driver: the next attempt's (the RayJob fails, the operator
+    counts a restart and creates the next RayJob), or KubeRay's own retry of the submitter inside
+    the attempt (its submitter Job, backoffLimit 2, submits the job again to the head KubeRay
+    recreated when that head is up first); the test records which."""
+    [head] = [p["metadata"]["name"] for p in get_json(product.cluster, "pods", "-n", NAMESPACE, "-l",
+                                                      f"kuberl.dev/job={JOB},kuberl.dev/role=head")["items"]]
+    newest = product.status(JOB)["lastCheckpoint"]["step"]
+    drivers_before = len(product.evidence.driver_logs(JOB))
+    product.kubectl("delete", "pod", head, "-n", NAMESPACE, "--grace-period=0", "--force", "--wait=false")
+    killed = time.monotonic()
+
+    def a_new_driver_training():  # a driver started after the kill that has logged a step
+        return next((path for path in product.evidence.driver_logs(JOB)[drivers_before:]
+                     if STEP_LINE.search(path.read_text(errors="replace"))), None)
+    new_driver = wait_for("a new driver's first step after the head's kill", a_new_driver_training, product.cluster,
+                          timeout=TIMEOUT_S, interval=1)
+    again = time.monotonic() - killed
+    old, new = driver.read_text(errors="replace"), new_driver.read_text(errors="replace")
+    resumed = RESUMED.search(new)
+    # The newest checkpoint at the kill: the preStop hook, which the kubelet may still start in
+    # the 2 s it gives a forced delete, could not have had a newer one committed (its join to Ray
+    # alone takes about 4 s).
+    assert resumed and int(resumed.group(1)) == newest, new[-3000:]
+    assert int(STEP_LINE.search(new).group(1)) == newest + 1, new[-3000:]
+    completed = max(int(m.group(1)) for m in STEP_LINE.finditer(old))
+    status = product.status(JOB)
+    assert status["phase"] == "Running", status
+    how = (f"a new attempt (restarts {status['restarts']})" if status.get("restarts")
+           else "KubeRay's resubmission to the new head, in the same attempt")
+    record_timing("head pod kill -> training again", f"{again:.0f} s, {how}")
+    record_timing("head pod kill: the newest checkpoint / the last step done / steps lost",
+                  f"{newest} / {completed} / {completed - newest}")

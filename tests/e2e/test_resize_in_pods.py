@@ -10,7 +10,13 @@ restart, and training goes on past the scale-down.
 A rollout pod killed (`--force`) mid-generation, in a job with two from the start: the driver
 re-sends the lost engine's prompts to the other engine, the job never leaves Running, its step
 counter never goes back, nothing is restored, the engine started for KubeRay's replacement pod
-joins and serves, and the reward still rises.
+joins and serves, and the reward still rises. The kill waits for the driver to show `generate`
+in status.progress.activity (shown once a phase has lasted 2 s), and that job's generation is
+made long enough for the kill to land in it: its engines run one sequence at a time
+(engineArgs.maxNumSeqs 1), so a step generates for several seconds where it would take a fraction
+of one. With steps that long the job learns faster (learningRate 3e-3, the embedded tiny job's),
+so the reward rises within the few steps before the replacement joins. Without the wait, a kill
+just after a step landed in the next weight sync each time (the driver's next phase then).
 
 Both jobs are deleted at the end (they are long enough never to finish first, however fast their
 steps and however slow a new pod's start).
@@ -47,6 +53,8 @@ JOIN_TIMEOUT_S = 1500  # a new engine's start, while it advances (Starting): 391
 STALL_S = 480  # twice the longest silence of a start that went on: 243 s (vLLM's worker importing)
 STEP_LINE = re.compile(r"step (\d+)/\d+ (.*)$")
 RESTORED = re.compile(r"restored step|resumed from")
+RESENT = re.compile(r"prompts \d+-\d+ of the batch, the lost engine's, sent again to the 1 engine\(s\) left")
+LOST_IN_SYNC = re.compile(r"lost during the weight sync")
 FIRST_STEPS = 10  # the reward's baseline: the mean of the first steps'
 
 
@@ -61,6 +69,10 @@ def recoveries(status: dict, kind: str) -> int:
 
 def step(status: dict) -> int:
     return (status.get("progress") or {}).get("step", 0)
+
+
+def activity(status: dict) -> str | None:
+    return (status.get("progress") or {}).get("activity")
 
 
 def logged_steps(log: str) -> list[tuple[int, dict[str, float]]]:
@@ -128,6 +140,15 @@ def long_job(name: str, rollout_replicas: int) -> dict:
     return manifest
 
 
+def slow_generation(manifest: dict) -> dict:
+    """Each step generates for several seconds (the module docstring): one sequence at a time per
+    engine, twice the example's response length, and the embedded tiny job's learning rate."""
+    spec = manifest["spec"]
+    spec["rollout"].update(engineArgs={"maxNumSeqs": 1}, maxResponseLength=64)
+    spec["algorithm"]["learningRate"] = 3e-3
+    return manifest
+
+
 # pytest-timeout counts fixture setup: run alone, this test also sets up the cluster (about 5 min).
 @pytest.mark.timeout(3000)
 def test_rollout_replicas_1_2_1_while_training_engines_join_and_leave_and_no_step_fails(product):
@@ -172,25 +193,29 @@ def event_reasons(product, job: str) -> set[str]:
 @pytest.mark.timeout(3000)
 def test_a_rollout_pod_killed_mid_generation_costs_no_step_and_its_replacement_serves(product):
     job = "rollout-kill"
-    product.apply(long_job(job, 2))
+    product.apply(slow_generation(long_job(job, 2)))
     product.wait_status(job, "its first step", lambda s: step(s) >= 1, JOIN_TIMEOUT_S)
     running = Running(product, job)
 
-    # A pod killed just after a step ended, while the next one generates.
-    at = running.wait("a step", lambda s: step(s) >= 1)["progress"]["step"]
-    running.wait(f"step {at + 1}", lambda s: step(s) > at, interval=0.2)
+    # A pod killed while the driver generates (a step after the first: its reward is the baseline's).
+    generating = running.wait("the driver generating", lambda s: step(s) >= 1 and activity(s) == "generate",
+                              interval=0.2)
     pods = rollout_pods(product, job)
     victim = pods[-1]
     product.kubectl("delete", "pod", victim, "-n", NAMESPACE, "--grace-period=0", "--force", "--wait=false")
-    killed, killed_at = time.monotonic(), running.seen
+    killed, killed_at = time.monotonic(), step(generating)
+    record_timing("rollout pod killed while generating step", f"{killed_at + 1}")
     status = running.wait("the lost engine's replacement joined", lambda s: recoveries(s, "engineReplaced") >= 1,
                           JOIN_TIMEOUT_S, interval=2, starting=Starting(product, job, pods))
     record_timing("rollout pod kill -> replacement engine joined",
                   f"{time.monotonic() - killed:.0f} s (steps {killed_at + 1}-{step(status)})")
     assert recoveries(status, "engineLost") == 1, status
     replaced_at = step(status)
-    # The replacement serves: the steps after it run on both engines again.
-    running.wait(f"step {replaced_at + 3}", lambda s: step(s) >= replaced_at + 3)
+    # The replacement serves: the steps after it run on both engines again. And enough steps for
+    # the reward's comparison: this job's steps are long, and a replacement that joins fast leaves
+    # few of them.
+    until = max(replaced_at + 3, 2 * FIRST_STEPS)
+    running.wait(f"step {until}", lambda s: step(s) >= until)
     assert {"EngineLost", "EngineReplaced"} <= event_reasons(product, job)
 
     # The driver's own account: the lost engine, no restore, each step once and in order, the
@@ -198,9 +223,13 @@ def test_a_rollout_pod_killed_mid_generation_costs_no_step_and_its_replacement_s
     [driver] = product.evidence.driver_logs(job)
     log = driver.read_text(errors="replace")
     assert re.search(r"rollout engine \d+ lost \(", log) and not RESTORED.search(log), log[-3000:]
+    # Lost in the generation of the step it was killed in: its prompts went to the engine left,
+    # and no weight sync lost it.
+    assert RESENT.search(log) and not LOST_IN_SYNC.search(log), log[-3000:]
     logged = logged_steps(log)
     assert [n for n, _ in logged] == list(range(1, len(logged) + 1)), "a step ran twice or went missing"
     steps = dict(logged)
+    assert steps[killed_at + 1]["engines_lost"] == 1, steps[killed_at + 1]
     assert steps[max(steps)]["engines_live"] == 2, steps[max(steps)]
     seconds = {s: m["step_seconds"] for s, m in steps.items() if s > 1}
     slowest = max((s for s in seconds if s > killed_at), key=seconds.get)

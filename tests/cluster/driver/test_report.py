@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from kuberl.driver.report import KubernetesStatusReporter, gpu_busy
+from tests.harness.helpers import wait_for
 from kuberl.job.render import render_manifest
 from tests.unit.api.bad_manifests import minimal_manifest
 
@@ -73,6 +74,19 @@ def test_workload_identity_patches_its_own_status_only(crd, tmp_path):
     reporter.progress(3, 20, 0.25, 123.0)
     printed = cluster.kubectl("get", "rltj", "mine", "-n", ns).stdout
     assert "0.25" in printed and " 3 " in printed
+    # What the driver does, once it has done it for 2 s, in status and `kubectl get`'s Activity
+    # column; cleared when it ends (kuberl.driver.report.ActivityBoard).
+    progress = lambda: json.loads(cluster.kubectl("get", "rltj", "mine", "-n", ns, "-o", "json").stdout)[  # noqa: E731
+        "status"]["progress"]
+    reporter.activity("generate")
+    wait_for("the activity shown", lambda: progress().get("activity") == "generate", cluster, timeout=30,
+             interval=0.2)
+    assert progress()["activitySince"].endswith("Z") and progress()["step"] == 3
+    header, row = cluster.kubectl("get", "rltj", "mine", "-n", ns).stdout.splitlines()
+    assert row.split()[header.split().index("ACTIVITY")] == "generate"
+    reporter.activity(None)
+    wait_for("the activity cleared", lambda: "activity" not in progress(), cluster, timeout=30, interval=0.2)
+    assert "activitySince" not in progress()
     # An error in the job's own input, as the CRD's schema takes it.
     from kuberl.common.reward_values import RewardError
     from kuberl.driver.report import user_errors_reported

@@ -67,7 +67,8 @@ def restore_the_weights(pool, trainer, sync, *, noise_seed: int) -> None:
     sync.close()
 
 
-def test_a_lost_engines_share_is_regenerated_and_its_replacement_serves_the_current_weights(pool, tiny_model):
+def test_a_lost_engines_share_is_regenerated_and_its_replacement_serves_the_current_weights(pool, tiny_model,
+                                                                                            caplog):
     from kuberl.sync import make_weight_sync
 
     trainer = StandInTrainerGroup(tiny_model)
@@ -100,6 +101,10 @@ def test_a_lost_engines_share_is_regenerated_and_its_replacement_serves_the_curr
         assert {s.metadata["engine"] for g in out["groups"] for s in g} == {0}  # all from the engine left
         assert pool.engines == [original]
         assert pool.take_counts() == {"engines_lost": 1.0, "engines_replaced": 0.0, "engines_live": 1.0}
+        # The driver's log says so (tests/e2e/test_resize_in_pods.py looks for it in pods): the
+        # victim's share, the second half of the prompts, went to the engine left.
+        assert [r.getMessage() for r in caplog.records if "the lost engine's" in r.getMessage()] == [
+            "prompts 8-15 of the batch, the lost engine's, sent again to the 1 engine(s) left (the same seeds)"]
 
         # The step boundary: the replacement starts, joins, and the driver's sync reaches it.
         assert pool.replenish(timeout=START_TIMEOUT) == 1, "the replacement did not start in time"

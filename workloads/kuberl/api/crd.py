@@ -35,6 +35,8 @@ PRINTER_COLUMNS = [
     {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
     {"name": "Total", "type": "integer", "jsonPath": ".spec.algorithm.totalSteps"},
     {"name": "Reward", "type": "number", "format": "float", "jsonPath": ".status.progress.reward"},
+    {"name": "Activity", "type": "string", "jsonPath": ".status.progress.activity",
+     "description": "What the driver has been doing for 2 s or more: generate, train, sync, ..."},
     {"name": "Checkpoint", "type": "integer", "jsonPath": ".status.lastCheckpoint.step",
      "description": "Step of the last complete checkpoint"},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "priority": 1},

@@ -890,6 +890,10 @@ class Condition(APIModel):
     observed_generation: int | None = None
 
 
+# What the driver does, as status.progress.activity shows it (kuberl.driver.report.ActivityBoard).
+Activity = Literal["generate", "train", "sync", "checkpoint", "validate", "recover"]
+
+
 class Progress(APIModel):
     step: int = 0
     total_steps: int = 0
@@ -905,6 +909,14 @@ class Progress(APIModel):
     held_for_suspend: bool = Field(False, description=(
         "True while the driver, asked by spec.suspend, has checkpointed this step and starts no "
         "next one; the operator has the Ray cluster deleted only then (or after 10 minutes)."))
+    activity: Activity | None = Field(None, description=(
+        "What the driver is doing, once it has done it for 2 s: generate (the rollout engines "
+        "generate the step's samples), train (log-probs and policy updates), sync (the new weights "
+        "to the engines), checkpoint (a checkpoint the driver waits for: a preemption notice's "
+        "commit), validate, recover (a new trainer group after a lost rank). Absent while it does "
+        "only shorter things, so a job of short steps costs the API server no extra patches. "
+        "Left as it was when a driver dies."))
+    activity_since: datetime | None = Field(None, description="When the driver began the activity.")
 
 
 class CheckpointRef(APIModel):

@@ -118,6 +118,7 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
     preemption.install()
     start_pod_exporter("head")
     with user_errors_reported(reporter, plan.attempt), contextlib.ExitStack() as stack:
+        stack.callback(reporter.close)  # last: status shows no activity of a run that is over
         # In a pod these are staged or mounted paths (resolve passes them through); locally URIs.
         model_path = stack.enter_context(resolve(plan.paths.model, revision=plan.paths.model_revision,
                                                  trust_remote_code=spec.model.trust_remote_code))

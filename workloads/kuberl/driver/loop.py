@@ -273,6 +273,25 @@ class Driver:
         finally:
             phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
 
+    @contextlib.contextmanager
+    def _doing(self, activity: str):
+        """The block is what the driver does (status.progress.activity, once it has lasted a few
+        seconds: ``StatusReporter.activity``). The main thread's view: with asyncRollout the
+        engines generate in the background during ``train``, and ``generate`` is the wait for them."""
+        self.reporter.activity(activity)
+        try:
+            yield
+        finally:
+            self.reporter.activity(None)
+
+    def _generated(self, rollout: Future) -> Rollout:
+        """A rollout once generated; waiting for one still generating in the background
+        (asynchronous) is the driver's ``generate``."""
+        if rollout.done():
+            return rollout.result()
+        with self._doing("generate"):
+            return rollout.result()
+
     def _chat_ids(self, messages: Sequence[dict]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
@@ -395,19 +414,23 @@ class Driver:
                                         held=set(self._rollouts), engines=self.engine_version, fresh=self._fresh)
         synced = False
         for action in actions:
-            if isinstance(action, schedule.Generate):
-                self._rollouts[action.step] = (self._background.submit(self.rollout, action.step) if action.overlap
-                                               else _done(self.rollout(action.step)))
+            if isinstance(action, schedule.Generate) and action.overlap:
+                self._rollouts[action.step] = self._background.submit(self.rollout, action.step)
+            elif isinstance(action, schedule.Generate):
+                with self._doing("generate"):
+                    self._rollouts[action.step] = _done(self.rollout(action.step))
             elif isinstance(action, schedule.Train):
-                samples, task_rewards, rollout_metrics = self._rollouts.pop(action.step).result()
-                metrics = self._update(action.step, samples)
+                samples, task_rewards, rollout_metrics = self._generated(self._rollouts.pop(action.step))
+                with self._doing("train"):
+                    metrics = self._update(action.step, samples)
                 staleness = staleness_metrics(self.weight_version, samples)
                 self.weight_version = action.step + 1
             elif isinstance(action, schedule.Wait):
-                self._rollouts[action.step].result()
+                self._generated(self._rollouts[action.step])
             else:
                 self.engine_version, synced = action.version, True
-                sync = self._sync_weights(action.version)
+                with self._doing("sync"):
+                    sync = self._sync_weights(action.version)
         elapsed = time.perf_counter() - started
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         rewards = torch.tensor(task_rewards, dtype=torch.float64)
@@ -478,7 +501,8 @@ class Driver:
         for one); those that joined get the current weights before they serve, so their samples
         carry this weight version."""
         if self.engines.replenish():
-            self._sync_weights(self.weight_version)
+            with self._doing("sync"):
+                self._sync_weights(self.weight_version)
 
     def _sync_weights(self, version: int):
         """The weights of ``version`` to every live engine, the sync's group first rebuilt if an
@@ -563,7 +587,8 @@ class Driver:
                     if self._run_step(results) == EXIT_PREEMPTED:
                         return EXIT_PREEMPTED, results
                 except TrainerLost as lost:
-                    self._recover_trainer(lost)
+                    with self._doing("recover"):
+                        self._recover_trainer(lost)
         finally:
             self._background.shutdown(wait=False, cancel_futures=True)
             self.checkpoints.close()
@@ -595,15 +620,16 @@ class Driver:
                         ", ".join(going), self.step)
         if self.checkpoints.enabled and (self.checkpoints.due(self.step) or self.preemption.requested or suspend
                                          or going):
-            self.save()
-            if going:
-                # The commit first, not in the background: a step begun now runs on a pod about to
-                # go and would only run again after the recovery (in pods, two steps ran during
-                # the upload). The hooks let their pods go once it is committed.
-                waited = time.perf_counter()
-                self.checkpoints.wait()
-                log.warning("checkpoint step %d committed %.1f s after the notice's boundary: %s may go",
-                            self.step, time.perf_counter() - waited, ", ".join(going))
+            with self._doing("checkpoint"):  # the stall; the shards upload in the background
+                self.save()
+                if going:
+                    # The commit first, not in the background: a step begun now runs on a pod about
+                    # to go and would only run again after the recovery (in pods, two steps ran
+                    # during the upload). The hooks let their pods go once it is committed.
+                    waited = time.perf_counter()
+                    self.checkpoints.wait()
+                    log.warning("checkpoint step %d committed %.1f s after the notice's boundary: %s may go",
+                                self.step, time.perf_counter() - waited, ", ".join(going))
         if self.preemption.requested:
             return EXIT_PREEMPTED
         if suspend:
@@ -650,7 +676,8 @@ class Driver:
                     self._trainer_recovery, self.trainer.epoch, self.step, self.step + 1, lost_step + 1)
 
     def _validate(self, step: int) -> dict[str, float]:
-        metrics = self.validator.run(step)
+        with self._doing("validate"):
+            metrics = self.validator.run(step)
         self.reporter.validation(step, metrics["val/reward"])
         pod_metrics.record_validation(metrics)
         return metrics

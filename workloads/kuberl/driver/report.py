@@ -12,11 +12,13 @@ import logging
 import os
 import re
 import ssl
+import threading
+import time
 import urllib.error
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from kuberl.api.types import GROUP, MAX_REPLICAS, PLURAL, RECOVERY_KINDS, VERSION
 from kuberl.api.contract import JOB_NAME_ENV, NAMESPACE_ENV
@@ -65,6 +67,71 @@ def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+# status.progress.activity shows what the driver does once it has done it this long: a job of
+# short steps (about 1 s each on the test cluster) then patches nothing more than its steps, and
+# a slow phase (a long generation, a trainer recovery) still shows within seconds.
+ACTIVITY_SHOWN_AFTER_S = 2.0
+
+# (the activity, when it began: time.monotonic, and as status shows it), or None between activities.
+Current = tuple[str, float, str] | None
+
+
+def activity_shown(current: Current, shown: Current, now: float, after_s: float) -> tuple[Current, float | None]:
+    """What status.progress.activity should show at ``now``, and in how many seconds that can next
+    change without a new activity: ``current`` once it has lasted ``after_s``, else nothing (a
+    shown activity that ended is cleared at once, so status never names one the driver left)."""
+    if current is None or current == shown:
+        return current, None
+    wait = current[1] + after_s - now
+    return (current, None) if wait <= 0 else (None, wait)
+
+
+class ActivityBoard:
+    """status.progress.activity and activitySince, kept by a thread of its own: ``set`` costs the
+    driver nothing, and the thread patches status only when what it should show changes
+    (``activity_shown``): at most two patches per activity of ``after_s`` or more (shown, then
+    cleared or replaced), none for shorter ones."""
+
+    def __init__(self, send: Callable[[dict[str, Any]], None], after_s: float = ACTIVITY_SHOWN_AFTER_S):
+        self._send = send
+        self._after_s = after_s
+        self._changed = threading.Condition()
+        self._current: Current = None
+        self._shown: Current = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def set(self, activity: str | None) -> None:
+        with self._changed:
+            self._current = None if activity is None else (activity, time.monotonic(), _now())
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="activity", daemon=True)
+                self._thread.start()
+            self._changed.notify()
+
+    def close(self) -> None:
+        """Clear what status shows (the run is over) and stop the thread."""
+        with self._changed:
+            self._current, self._closed = None, True
+            self._changed.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=15)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                shown, wait = activity_shown(self._current, self._shown, time.monotonic(), self._after_s)
+                if shown == self._shown:
+                    if self._closed:
+                        return
+                    self._changed.wait(wait)
+                    continue
+                self._shown = shown
+            name, since = (None, None) if shown is None else (shown[0], shown[2])
+            self._send({"progress": {"activity": name, "activitySince": since}})
+
+
 class StatusReporter:
     """Logs progress; subclasses also send it somewhere."""
 
@@ -81,6 +148,13 @@ class StatusReporter:
         if busy:
             progress["gpuBusy"] = dict(busy)
         self._patch({"progress": progress})
+
+    def activity(self, name: str | None) -> None:
+        """The driver now does ``name`` (``kuberl.api.types.Activity``), or nothing in particular:
+        shown in status.progress.activity once it has lasted a while (``ActivityBoard``)."""
+
+    def close(self) -> None:
+        """The run is over: nothing more to report."""
 
     def held_for_suspend(self, held: bool) -> None:
         """Whether the driver holds after its last reported step for a suspend: the operator
@@ -146,6 +220,13 @@ class KubernetesStatusReporter(StatusReporter):
         self.url = f"{self.job_url}/status"
         self.token_file = token_file
         self.context = ssl.create_default_context(cafile=str(ca_file))
+        self._activity = ActivityBoard(self._patch)
+
+    def activity(self, name: str | None) -> None:
+        self._activity.set(name)
+
+    def close(self) -> None:
+        self._activity.close()
 
     def _request(self, url: str, method: str = "GET", body: bytes | None = None) -> bytes:
         # The token is re-read each time: projected tokens rotate.

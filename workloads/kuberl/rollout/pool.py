@@ -275,6 +275,8 @@ class EnginePool:
                 engine, start, end = batch.lost(ref)
                 self.drop(engine, err)
                 send(start, end)
+                logger.warning("prompts %d-%d of the batch, the lost engine's, sent again to the %d engine(s) left "
+                               "(the same seeds)", start, end - 1, len(self.engines))
         return batch.result()
 
     def weight_versions(self) -> list[int]:
