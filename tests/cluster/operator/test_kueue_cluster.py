@@ -109,7 +109,11 @@ def test_suspend_and_resume_of_a_queued_job_go_through_kueue(k8s_cluster, namesp
 
     wait_for("Suspended through Kueue", suspended, k8s_cluster, timeout=90)
     assert workload_of(k8s_cluster, namespace, name)["spec"]["active"] is False
-    assert get(k8s_cluster, "rayjob", name, "-n", namespace)["spec"]["suspend"] is True
+    # Kueue's eviction suspends the RayJob on its own schedule: the job's Suspended status can come
+    # first (CI of 2f98236 read the RayJob before Kueue had written spec.suspend).
+    wait_for("the RayJob suspended by Kueue",
+             lambda: get(k8s_cluster, "rayjob", name, "-n", namespace)["spec"].get("suspend") is True,
+             k8s_cluster, timeout=60)
     k8s_cluster.kubectl("patch", "rltj", name, "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}')
     wait_for("admitted again", lambda: admitted(k8s_cluster, namespace, name), k8s_cluster, timeout=90)
     assert workload_of(k8s_cluster, namespace, name)["spec"].get("active", True) is True

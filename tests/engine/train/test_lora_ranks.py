@@ -78,5 +78,9 @@ def test_lora_shards_frozen_and_trainable_parameters_together(tmp_path):
     assert any(t.abs().sum() > 0 for k, t in sent0.items() if ".lora_B." in k)
     one_rank_losses, _, one_rank_sent = results[(1, 0)]
     assert losses0 == pytest.approx(one_rank_losses, rel=1e-4, abs=1e-6)
+    # Two ranks sum the gradients in another order than one. AdamW divides each gradient by its own
+    # running size, so an element whose gradient is a near-cancelling sum can move by a visible part
+    # of one step's update (lr 1e-2): the CI of 2f98236 saw one element of 1024 off by 5.2e-5.
+    # atol 1e-4 is 1% of one step at this lr.
     for name, tensor in one_rank_sent.items():
-        torch.testing.assert_close(sent0[name], tensor, rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(sent0[name], tensor, rtol=1e-3, atol=1e-4)
