@@ -1,6 +1,9 @@
-"""The preStop hook (`kuberl preemption-notice`) never holds a pod for nothing: with no driver in
-the Ray cluster, or no head to reach, it returns well before its wait is up, exit 0.
-The path where a driver checkpoints for it: tests/engine/driver/test_grpo_e2e.py."""
+"""The preStop hook (`kuberl preemption-notice`) against a real notice board on a local Ray: it
+never holds a pod for nothing (with no driver in the Ray cluster, no head to reach, or a trainer
+group being recovered it returns well before its wait is up, exit 0), and the head's hook
+(`--head`) tells the board it is the head, which holds it until the step in flight is committed.
+The path where a driver checkpoints for it: tests/engine/driver/test_grpo_e2e.py; what the driver
+does with a head's notice: tests/unit/driver/test_notice_boundary.py."""
 
 from __future__ import annotations
 
@@ -16,13 +19,30 @@ pytest.importorskip("ray")
 WAIT_SECONDS = 120
 
 
-def hook(address: str) -> tuple[subprocess.CompletedProcess, float]:
+def start_hook(address: str, *args: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.Popen([sys.executable, "-m", "kuberl.cli", "preemption-notice", "--wait-seconds",
+                             str(WAIT_SECONDS), "--address", address, *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def hook(address: str, *args: str) -> tuple[subprocess.CompletedProcess, float]:
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "kuberl.cli", "preemption-notice", "--wait-seconds",
-                           str(WAIT_SECONDS), "--address", address],
-                          env=env, capture_output=True, text=True, timeout=WAIT_SECONDS + 60)
-    return done, time.monotonic() - started
+    proc = start_hook(address, *args)
+    stdout, stderr = proc.communicate(timeout=WAIT_SECONDS + 60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), time.monotonic() - started
+
+
+@pytest.fixture
+def board(ray_session):
+    """A driver's notice board (kuberl.driver.notices.Notices), as the driver starts it."""
+    import ray
+
+    from kuberl.driver.notices import Notices
+
+    notices = Notices(checkpoints=True)
+    yield notices
+    ray.kill(notices._board)  # the name is the cluster's: the next test's board takes it
 
 
 def test_without_a_driver_the_hook_lets_the_pod_go_at_once(ray_session):
@@ -42,3 +62,38 @@ def test_when_the_head_is_gone_the_hook_lets_the_pod_go_at_once():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "the Ray cluster's head does not answer" in done.stdout, (done.stdout, done.stderr[-2000:])
     assert seconds < WAIT_SECONDS / 2, seconds
+
+
+def test_the_heads_hook_says_it_is_the_head_and_waits_for_the_commit(board):
+    import ray
+
+    proc = start_hook(ray.get_runtime_context().gcs_address, "--head")
+    try:
+        deadline = time.monotonic() + WAIT_SECONDS / 2
+        while not (going := board.take(0))[0]:  # the driver's boundary after step 0: step 1 in flight
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.5)
+        assert going == ([os.environ.get("HOSTNAME", "this pod")], True)
+        time.sleep(2)
+        assert proc.poll() is None, "the hook let its pod go before the step in flight was committed"
+        board.committed(1)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "checkpoint step 1 (the step in flight at the notice) is committed" in stdout, \
+        (stdout, stderr[-2000:])
+
+
+def test_while_the_trainer_group_is_recovered_the_hook_lets_the_pod_go_at_once(board):
+    """Nothing more can be checkpointed then (the group that would save it is gone): the
+    recovery, or the next attempt, restores the newest checkpoint either way."""
+    import ray
+
+    board.take(3)
+    board.committed(2)
+    board.recovering(True)
+    done, seconds = hook(ray.get_runtime_context().gcs_address)
+    assert done.returncode == 0 and "the trainer group is being recovered" in done.stdout, \
+        (done.stdout, done.stderr[-2000:])
+    assert "checkpoint (step 2) is restored" in done.stdout and seconds < WAIT_SECONDS / 2, (done.stdout, seconds)
+    assert board.take(3) == ([], False)  # a pod that went meanwhile asks nothing of the next boundary

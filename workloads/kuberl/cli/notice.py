@@ -6,9 +6,12 @@ tells the driver's notice board (``kuberl.driver.notices``) which pod is going, 
 checkpoint covering the step in flight is committed, then exits so the pod goes; the driver's
 in-place recovery (or, for the head, the operator's next attempt) restores that checkpoint.
 
-It never holds a pod for nothing: no driver (no board), a driver that dies meanwhile, or a job
-without checkpoint.uri returns at once; so does a head that is gone (KubeRay deleting the whole
-cluster: the GCS port answers nothing), and joining Ray may take at most ``CONNECT_SECONDS``
+The head's hook says so (``--head``): the driver's own pod is going, so the driver begins no step
+after that commit (it would be lost with the head). It never holds a pod for nothing: no driver
+(no board), a driver that dies meanwhile, a driver recovering its trainer group (nothing more
+can be checkpointed then), or a job without checkpoint.uri returns at once; so does a head that
+is gone (KubeRay deleting the whole cluster: the GCS port answers nothing, as once the head's own
+hook has returned), and joining Ray may take at most ``CONNECT_SECONDS``
 (Ray's own client retries for minutes); past ``--wait-seconds`` it gives up (the newest
 checkpoint before is what is restored). It always exits 0: a failed hook only adds an Event, and
 the pod goes all the same. What it did is printed, and the driver logs each notice.
@@ -47,10 +50,10 @@ def gcs_answers(address: str) -> bool:
     return True
 
 
-def notify(address: str, pod: str, deadline: float, connected: threading.Event) -> str:
-    """Tell the driver ``pod`` is going and wait, until the monotonic ``deadline``, for the
-    checkpoint covering the step in flight; what happened, as one line. ``connected`` is set
-    once the board is found (or known to be absent)."""
+def notify(address: str, pod: str, head: bool, deadline: float, connected: threading.Event) -> str:
+    """Tell the driver ``pod`` (the head, if ``head``) is going and wait, until the monotonic
+    ``deadline``, for the checkpoint covering the step in flight; what happened, as one line.
+    ``connected`` is set once the board is found (or known to be absent)."""
     import ray
 
     if not gcs_answers(address):
@@ -64,12 +67,12 @@ def notify(address: str, pod: str, deadline: float, connected: threading.Event) 
         return "no kuberl driver is running in this Ray cluster: nothing to checkpoint"
     connected.set()
     try:
-        step = ray.get(board.notice.remote(pod))
+        step = ray.get(board.notice.remote(pod, head))
         if step is None:
             return "the job has no checkpoint.uri: nothing to checkpoint"
         while time.monotonic() < deadline:
-            if ray.get(board.committed_step.remote()) >= step:
-                return f"checkpoint step {step} (the step in flight at the notice) is committed"
+            if released := ray.get(board.released.remote(step)):
+                return released
             time.sleep(POLL_SECONDS)
     except ray.exceptions.RayActorError:
         return "the driver ended before the checkpoint: the newest checkpoint before is restored"
@@ -82,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait-seconds", type=float, required=True,
                         help="hold the pod at most this long (its grace period less Ray's stop)")
     parser.add_argument("--address", default="auto", help="the Ray cluster (default: this pod's own)")
+    parser.add_argument("--head", action="store_true",
+                        help="this is the head pod, the driver's own: no step begins after the commit")
     args = parser.parse_args(argv)
     pod = os.environ.get("HOSTNAME", "this pod")
     started = time.monotonic()
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> None:
         try:
-            outcome.append(notify(args.address, pod, deadline, connected))
+            outcome.append(notify(args.address, pod, args.head, deadline, connected))
         except Exception as exc:  # noqa: BLE001 - whatever it is, the pod must go: say it and return
             outcome.append(f"could not reach the driver ({type(exc).__name__}: {exc})")
             connected.set()

@@ -23,7 +23,8 @@ trainer group restores that checkpoint and the engines, still up, get its weight
 pool at the next step boundary (``_resize_engines``); each recovery and resize is counted in
 status.recoveries. A head or trainer pod that is going with its grace period gives notice first
 (``kuberl.driver.notices``): the step in flight is checkpointed at its boundary, so the recovery
-loses no step.
+loses no step; when the head itself goes (the whole cluster, e.g. a Kueue preemption) no step
+begins after that commit, so the next attempt runs none again.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ EXIT_OK = 0
 EXIT_PREEMPTED = 75
 # How often a driver held for a suspend asks whether the suspend still stands.
 SUSPEND_POLL_SECONDS = 2.0
+# How often a driver whose head is going looks for the SIGTERM that ends it.
+HEAD_GOING_POLL_SECONDS = 0.5
 # How long a lost trainer rank's replacement may take to get its resources: in a cluster KubeRay
 # recreates the pod, which is scheduled, pulls the image and joins Ray; locally it is at once.
 TRAINER_REPLACEMENT_TIMEOUT_S = 600
@@ -256,6 +259,25 @@ class Driver:
             time.sleep(SUSPEND_POLL_SECONDS)
         self.reporter.held_for_suspend(False)
         log.info("suspend withdrawn: training on from step %d", self.step)
+
+    def _hold_while_the_head_goes(self) -> int | None:
+        """The head, this driver's own pod, gave notice and the step in flight is committed: a
+        step begun now would be lost with the head (KubeRay deleting the whole cluster, for a
+        Kueue preemption say), so none begins. Waits for the SIGTERM that ends the attempt (the
+        head gets it once its hook has seen the commit), at most the pod's grace period; past it
+        (a notice with no deletion behind it) training goes on."""
+        grace = self.spec.scheduling.termination_grace_period_seconds
+        log.warning("the head pod is going: step %d is committed and no next step begins (it would be lost "
+                    "with the head); waiting for the Ray cluster to go", self.step)
+        if self.notices is not None:  # pods going from now on have nothing in flight to wait for
+            self.notices.take(self.step, in_flight=False)
+        deadline = time.monotonic() + grace
+        while not self.preemption.requested and time.monotonic() < deadline:
+            time.sleep(HEAD_GOING_POLL_SECONDS)
+        if self.preemption.requested:
+            return EXIT_PREEMPTED
+        log.warning("the head pod is still here %d s after its notice: training on from step %d", grace, self.step)
+        return None
 
     # --- one step ------------------------------------------------------------------------------
 
@@ -614,7 +636,8 @@ class Driver:
         if self.exporter is not None and interval and self.step % interval == 0 and self.step < total:
             self.exporter(self.step)
         suspend = self.step < total and self.reporter.suspend_requested()
-        going = self.notices.take(self.step) if self.notices is not None else []
+        # The pods that gave notice since the last boundary, and whether the head is among them.
+        going, head_going = self.notices.take(self.step) if self.notices is not None else ([], False)
         if going:  # their preStop hooks hold them until this checkpoint is committed
             log.warning("preemption notice from %s: checkpointing step %d, the step in flight at the notice",
                         ", ".join(going), self.step)
@@ -632,6 +655,8 @@ class Driver:
                                 self.step, time.perf_counter() - waited, ", ".join(going))
         if self.preemption.requested:
             return EXIT_PREEMPTED
+        if head_going and self.checkpoints.enabled:
+            return self._hold_while_the_head_goes()
         if suspend:
             self._hold_for_suspend()
         return None
@@ -655,6 +680,8 @@ class Driver:
         log.warning("%s during step %d: ending its group and starting a new one (waiting up to %d s for its "
                     "resources), then restoring the newest checkpoint", lost, self.step + 1,
                     TRAINER_REPLACEMENT_TIMEOUT_S)
+        if self.notices is not None:  # no group to checkpoint with: going pods need not wait
+            self.notices.recovering(True)
         for rollout in self._rollouts.values():  # asynchronous: the engines finish before new weights come
             rollout.exception()
         self._rollouts.clear()
@@ -671,6 +698,8 @@ class Driver:
         lost_step, self.step, self.weight_version, self.engine_version = self.step, 0, 0, 0
         if not self.restore():  # no checkpoint: the model's initial weights, from step 0
             self.weight_sync.sync(self.weight_version)
+        if self.notices is not None:
+            self.notices.recovering(False)
         self._trainer_recovery = time.perf_counter() - started
         log.warning("trainer group recovered in %.1f s (epoch %d): restored step %d, so steps %d-%d run again",
                     self._trainer_recovery, self.trainer.epoch, self.step, self.step + 1, lost_step + 1)

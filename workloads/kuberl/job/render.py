@@ -286,7 +286,7 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
     }
     notice = role in (HEAD_ROLE, TRAINER_GROUP)
     if notice:
-        container["lifecycle"] = _notice_hook(spec.scheduling.termination_grace_period_seconds)
+        container["lifecycle"] = _notice_hook(spec.scheduling.termination_grace_period_seconds, role == HEAD_ROLE)
         container["env"].append({"name": RAY_DRAIN_ENV, "value": "0"})
     writes = _write_claims(job, role)
     claims = dict.fromkeys([*_read_claims(job, "stager"), *_read_claims(job, role, plan), *writes])
@@ -317,13 +317,15 @@ def _pod_template(job: t.RLTrainingJob, role: str, res: t.Resources, gpus: int, 
     return {"metadata": {"labels": labels(job.metadata.name, role)}, "spec": pod_spec}
 
 
-def _notice_hook(grace_seconds: int) -> dict[str, Any]:
+def _notice_hook(grace_seconds: int, head: bool) -> dict[str, Any]:
     """The preStop hook of the head and trainer pods (``kuberl.cli.notice``): the driver checkpoints
     the step in flight and the hook holds the pod, within its grace period, until that checkpoint
-    is committed. Rollout pods have none: a lost engine costs no step (its prompts go to the
-    others), so a checkpoint would only slow the run."""
+    is committed; the head's says it is the head (the driver then begins no next step). Rollout
+    pods have none: a lost engine costs no step (its prompts go to the others), so a checkpoint
+    would only slow the run."""
     wait = grace_seconds - NOTICE_STOP_MARGIN_SECONDS
-    return {"preStop": {"exec": {"command": [*NOTICE_COMMAND, "--wait-seconds", str(wait)]}}}
+    return {"preStop": {"exec": {"command": [*NOTICE_COMMAND, "--wait-seconds", str(wait),
+                                             *(["--head"] if head else [])]}}}
 
 
 def ray_start_resources(resources: dict[str, int]) -> str:
