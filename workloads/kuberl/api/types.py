@@ -481,6 +481,11 @@ class MoESpec(APIModel):
     router_aux_loss_coef: float = Field(0.0, ge=0, description="Load-balancing loss weight; 0 (off) "
                                         "for RL, as in verl, SkyRL and NeMo-RL: the aux loss makes the "
                                         "trainer's log-probs drift from the engine's.")
+    freeze_router: bool = Field(False, description="Keep every MoE layer's router (the gate scoring the "
+                                "experts) at its initial weights: it gets no gradient and no optimizer state, "
+                                "while the experts and dense weights train (NeMo-RL's freeze_moe_router; "
+                                "routing then changes only as the hidden states do). Needs a "
+                                "Mixture-of-Experts model: the trainer stops at start on a dense one.")
 
 
 class ParallelismSpec(APIModel):
