@@ -71,3 +71,4 @@ def test_grpo_at_expert_parallel_2_across_two_trainer_pods_rewards_rise(product,
     assert last > 0.04 and last > 2.5 * first, rewards
     # Every step's samples came from the synced weights: the engine's log-probs are the trainer's.
     assert max(gaps) < 1e-5, gaps
+    product.kubectl("delete", "rltj", JOB, "-n", NAMESPACE, "--wait=true", "--timeout=120s")
