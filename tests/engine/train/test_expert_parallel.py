@@ -186,3 +186,81 @@ def test_checkpoint_saved_at_ep2_restores_at_ep1_and_ep4(tmp_path):
             assert other_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), (ep, key)
         for key, value in state.items():
             torch.testing.assert_close(other[key], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"EP {ep}: {key}: {m}")
+
+
+def _frozen_router_ranks(rank: int, ports: list[int], model_path: str, root: str) -> None:
+    """Two ranks train two steps at EP 1 and EP 2 with the router frozen, and at EP 2 without;
+    the frozen EP 2 run's checkpoint is restored at EP 1."""
+    import torch.distributed.checkpoint as dcp
+
+    from kuberl.train.model import ModelOptions
+    from kuberl.train.worker import TrainerConfig, TrainerWorker
+
+    def start(ep: int, freeze: bool, port: int) -> TrainerWorker:
+        # The load-balancing loss on: its gradient reaches the router first of all.
+        config = TrainerConfig(lr=LR, micro_batch_size=2, router_aux_loss_coef=0.01,
+                               model=ModelOptions(gradient_checkpointing=False, expert_parallel=ep,
+                                                  freeze_router=freeze))
+        return TrainerWorker(model_path, config, rank=rank, world_size=2, master_addr="127.0.0.1",
+                             master_port=port, device=torch.device("cpu"))
+
+    out = {}
+    for (ep, freeze), port in zip([(1, True), (2, True), (2, False)], ports):
+        worker = start(ep, freeze, port)
+        before = full_state(worker)
+        for _ in range(2):
+            worker.train_step(_batch())
+        # Autograd gives no gradient to a parameter without requires_grad; the optimizer was
+        # built from the trainable ones.
+        optimized = {id(p) for group in worker.optimizer.param_groups for p in group["params"]}
+        routers = {name: (p.requires_grad, id(p) in optimized)
+                   for name, p in worker.model.named_parameters() if ".mlp.gate." in name}
+        out[(ep, freeze)] = before, full_state(worker), routers
+        if (ep, freeze) == (2, True):
+            state, extra = worker.checkpoint_state()
+            dcp.save(state, checkpoint_id=f"{root}/ckpt")
+        worker.shutdown()
+    worker = start(1, True, ports[3])
+    worker.restore_state(lambda state: dcp.load(state, checkpoint_id=f"{root}/ckpt"), extra)
+    out["restored_ep1"] = full_state(worker)
+    worker.shutdown()
+    if rank == 0:
+        torch.save(out, f"{root}/frozen.pt")
+
+
+@pytest.mark.timeout(300)
+def test_frozen_router_stays_bit_identical_at_ep1_and_ep2(tmp_path):
+    """spec.trainer.moe.freezeRouter: the routers get no gradient and no optimizer state and stay
+    bit for bit what they were, the experts train, at EP 1 (plain FSDP2) and EP 2, and a checkpoint
+    saved at EP 2 restores at EP 1; without it, the same steps move the routers (so the check has
+    teeth)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config()).save_pretrained(tmp_path / "model")
+    mp.start_processes(_frozen_router_ranks, args=(_free_ports(4), str(tmp_path / "model"), str(tmp_path)),
+                       nprocs=2, start_method="spawn")
+    out = torch.load(tmp_path / "frozen.pt", weights_only=False)
+    router = [k for k in out[(2, True)][0] if k.startswith("model.") and ".mlp.gate." in k]
+    assert len(router) == 2  # one per layer
+    for ep in (1, 2):
+        before, after, routers = out[(ep, True)]
+        for key in router:
+            assert torch.equal(after[key], before[key]), (ep, key)
+        # Not trainable (so no gradient), not in the optimizer, no AdamW moments under its name.
+        assert len(routers) == 2 and set(routers.values()) == {(False, False)}, (ep, routers)
+        assert not any(".mlp.gate." in k for k in after if k.startswith("optim.")), ep
+        # The experts and the dense weights train.
+        for part in (".experts.gate_up_proj", ".experts.down_proj", ".self_attn.q_proj.weight"):
+            key = next(k for k in before if k.startswith("model.") and k.endswith(part))
+            assert not torch.equal(after[key], before[key]), (ep, key)
+    # A checkpoint of the frozen EP 2 run (no optimizer state for the routers) restores at EP 1 bit
+    # for bit.
+    saved, restored = out[(2, True)][1], out["restored_ep1"]
+    assert restored.keys() == saved.keys()
+    for key, value in saved.items():
+        assert torch.equal(restored[key], value), key
+    before, after, routers = out[(2, False)]
+    assert set(routers.values()) == {(True, True)}
+    for key in router:
+        assert not torch.equal(after[key], before[key]), key

@@ -302,6 +302,29 @@ def test_the_plan_carries_the_trainer_mesh_and_an_older_plan_reads_as_plain_fsdp
     assert plans.read(yaml.safe_dump(written)).layout.trainer_mesh == plans.TrainerMesh(dp_shard=8, ep=1)
 
 
+def test_the_plan_carries_the_engines_expert_parallel_size():
+    """spec.rollout.expertParallel: each engine's experts split over its tensor-parallel GPUs (vLLM's
+    EP size is the engine's TP size); the plan says so, and the engine's kwargs follow the plan."""
+    from kuberl.rollout.engine import engine_kwargs
+
+    manifest = minimal_manifest()
+    manifest["spec"]["rollout"] = {"gpusPerReplica": 8, "tensorParallelSize": 4, "expertParallel": True}
+    job = validate_manifest(manifest)
+    layout = plans.for_cluster(job).layout
+    assert (layout.engines, layout.tensor_parallel_size, layout.engine_expert_parallel) == (2, 4, 4)
+    kwargs = engine_kwargs(job.spec, "m", "x", engine_index=0, on_cpu=False,
+                           expert_parallel=layout.engine_expert_parallel)
+    assert (kwargs["tensor_parallel_size"], kwargs["enable_expert_parallel"]) == (4, True)
+    manifest["spec"]["rollout"]["expertParallel"] = False
+    job = validate_manifest(manifest)
+    assert plans.for_cluster(job).layout.engine_expert_parallel == 1
+    assert engine_kwargs(job.spec, "m", "x", engine_index=0, on_cpu=False)["enable_expert_parallel"] is False
+    # A plan written before the field reads as no expert parallelism.
+    written = yaml.safe_load(plans.for_cluster(job).dump())
+    del written["layout"]["engine_expert_parallel"]
+    assert plans.read(yaml.safe_dump(written)).layout.engine_expert_parallel == 1
+
+
 def test_render_parses_each_uri_of_the_spec_once(monkeypatch):
     """The spec's URIs arrive typed (kuberl.api.uri.SpecURI): validating the manifest, then rendering
     every object and the run plan, twice, parses each once, however many containers, mounts and

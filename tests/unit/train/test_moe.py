@@ -124,3 +124,25 @@ def test_expert_parallel_degree_is_checked_against_the_model_naming_the_field():
     with pytest.raises(ValueError, match="needs kuberl's grouped experts"):
         check_expert_parallel(moe, ModelOptions(moe_experts="stock"), 2)
     check_expert_parallel(Qwen3Config(), ModelOptions(), 1)
+
+
+def test_freeze_routers_freezes_the_gates_only():
+    from kuberl.train.moe import freeze_routers
+
+    model = AutoModelForCausalLM.from_config(_config())
+    assert freeze_routers(model) == 2
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {f"model.layers.{i}.mlp.gate.weight" for i in range(2)}
+
+
+def test_freeze_routers_refuses_a_dense_model():
+    from transformers import Qwen3Config
+
+    from kuberl.train.moe import freeze_routers
+
+    dense = AutoModelForCausalLM.from_config(Qwen3Config(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                         num_attention_heads=2, num_key_value_heads=1,
+                                                         head_dim=16, intermediate_size=64))
+    with pytest.raises(ValueError, match=r"spec.trainer.moe.freezeRouter needs a Mixture-of-Experts model; "
+                                         r"Qwen3Config has no experts: remove freezeRouter"):
+        freeze_routers(dense)

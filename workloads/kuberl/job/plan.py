@@ -65,6 +65,9 @@ class ProcessLayout(Frozen):
     engines: int
     gpus_per_engine: int                # what the engine actor asks Ray for
     tensor_parallel_size: int
+    # Each engine's expert-parallel size (spec.rollout.expertParallel): its tensor-parallel GPUs
+    # split the experts; 1: no expert parallelism (vLLM's enable_expert_parallel off).
+    engine_expert_parallel: int = 1
     colocated: bool
     expected_pods: int                  # head + trainer pods + rollout pods
     trainer_resource: str = TRAINER_RESOURCE
@@ -185,7 +188,8 @@ def process_layout(spec: t.RLTrainingJobSpec, *, slots: bool) -> ProcessLayout:
         world_size=world_size, gpus_per_rank=gpus_per_rank,
         trainer_mesh=TrainerMesh(dp_shard=world_size // ep, ep=ep),
         rollout_pods=rollout_pods, engines_per_pod=engines_per_pod, engines=engines,
-        gpus_per_engine=gpus_per_engine, tensor_parallel_size=tp, colocated=rollout.colocate,
+        gpus_per_engine=gpus_per_engine, tensor_parallel_size=tp,
+        engine_expert_parallel=tp if rollout.expert_parallel else 1, colocated=rollout.colocate,
         expected_pods=1 + trainer.replicas + rollout_pods, group_resources=groups, slots=slots)
 
 

@@ -77,22 +77,29 @@ class RequestRefused(ValueError):
         return f"{self.field}: {self.message}"
 
 
-def engine_args(spec, local_model_path: str, served_model_name: str, *, engine_index: int):
+def engine_args(spec, local_model_path: str, served_model_name: str, *, engine_index: int,
+                expert_parallel: int = 1):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    return AsyncEngineArgs(**engine_kwargs(spec, local_model_path, served_model_name, engine_index=engine_index))
+    return AsyncEngineArgs(**engine_kwargs(spec, local_model_path, served_model_name, engine_index=engine_index,
+                                           expert_parallel=expert_parallel))
 
 
 def engine_kwargs(spec, local_model_path: str, served_model_name: str, *, engine_index: int,
-                  on_cpu: bool | None = None) -> dict:
+                  on_cpu: bool | None = None, expert_parallel: int = 1) -> dict:
     """vLLM engine arguments of engine ``engine_index`` (also what bench/rl_gpu.py gives a raw
     ``LLM`` to compare against kuberl's engine with the same settings). ``on_cpu`` None asks vLLM's
-    platform; a bool leaves vLLM unimported (the unit tests run without it)."""
+    platform; a bool leaves vLLM unimported (the unit tests run without it). ``expert_parallel``:
+    the run plan's ``layout.engine_expert_parallel``; vLLM derives the EP size from the tensor-
+    parallel size itself, so the plan's value must be that size (or 1, off)."""
     if on_cpu is None:
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
     rollout = spec.rollout
+    if expert_parallel not in (1, rollout.tensor_parallel_size):
+        raise ValueError(f"an engine's expert-parallel size is its tensor-parallel size "
+                         f"({rollout.tensor_parallel_size}) or 1, got {expert_parallel}")
     # CPU engines only serve tests and laptops: full precision, so trainer and engine agree.
     dtype = "float32" if on_cpu or spec.trainer.param_dtype == "float32" else "bfloat16"
     # vLLM's CPU linear layers call kernels prepacked from the weights through per-layer
@@ -115,6 +122,7 @@ def engine_kwargs(spec, local_model_path: str, served_model_name: str, *, engine
         trust_remote_code=spec.model.trust_remote_code,
         dtype=dtype,
         tensor_parallel_size=rollout.tensor_parallel_size,
+        enable_expert_parallel=expert_parallel > 1,
         gpu_memory_utilization=rollout.gpu_memory_utilization,
         max_model_len=max_model_len,
         seed=spec.algorithm.seed + engine_index,
@@ -164,8 +172,9 @@ class RolloutEngine:
     """Ray actor around one ``vllm.AsyncLLM``; see ``kuberl.rollout.pool.EnginePool``."""
 
     def __init__(self, spec, paths: Paths, served_model_name: str, *, engine_index: int = 0,
-                 devices: list[str] | None = None):
-        """``devices``: colocated on GPUs, the GPU ids of the trainer ranks this engine shares."""
+                 devices: list[str] | None = None, expert_parallel: int = 1):
+        """``devices``: colocated on GPUs, the GPU ids of the trainer ranks this engine shares;
+        ``expert_parallel``: the run plan's ``layout.engine_expert_parallel``."""
         if devices is not None:
             # Before vLLM starts its workers, which inherit it.
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
@@ -195,7 +204,8 @@ class RolloutEngine:
             local = self._resources.enter_context(resolve(
                 paths.model, revision=paths.model_revision, trust_remote_code=spec.model.trust_remote_code))
             self.engine = AsyncLLM.from_engine_args(
-                engine_args(spec, local, served_model_name, engine_index=engine_index),
+                engine_args(spec, local, served_model_name, engine_index=engine_index,
+                            expert_parallel=expert_parallel),
                 usage_context=batch_usage_context())
             self._resources.callback(self.engine.shutdown)
         except BaseException:

@@ -100,6 +100,7 @@ class EnginePool:
         self.served_model_name = served_model_name
         layout = plan.layout
         self.colocated = layout.colocated
+        self.expert_parallel = layout.engine_expert_parallel
         count = num_engines if num_engines is not None else layout.engines
         if count < 1:
             raise ValueError(f"num_engines must be at least 1, got {count}")
@@ -136,7 +137,8 @@ class EnginePool:
         where = ({"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
                  if node is not None else {})
         return ray.remote(RolloutEngine).options(**self._options, **where).remote(
-            self.spec, self.paths, self.served_model_name, engine_index=index, devices=devices)
+            self.spec, self.paths, self.served_model_name, engine_index=index, devices=devices,
+            expert_parallel=self.expert_parallel)
 
     # --- membership ----------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ parameters and redoes the post-load processing.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -34,7 +35,8 @@ class WeightReceiver(NcclReceiver, SnapshotReceiver, IpcReceiver):
         arrive in different buckets is processed once, complete.
         """
         counted = _Counted(weights)
-        self.model_runner.reload_weights(weights_iterator=iter(counted), is_checkpoint_format=True)
+        with _cpu_experts_prepacked_again(self.model_runner.get_model(), self._kuberl_device()):
+            self.model_runner.reload_weights(weights_iterator=iter(counted), is_checkpoint_format=True)
         self._kuberl_refresh_cpu_kernels()
         if counted.error is not None:
             # The stream broke (a sync aborted): it ended early instead of raising inside vLLM's
@@ -58,6 +60,38 @@ class WeightReceiver(NcclReceiver, SnapshotReceiver, IpcReceiver):
     def kuberl_device_uuid(self) -> str:
         device = self._kuberl_device()
         return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else "cpu"
+
+
+@contextmanager
+def _cpu_experts_prepacked_again(model: torch.nn.Module, device: torch.device):
+    """Let a reload prepack vLLM's CPU MoE experts, as the first load did.
+
+    vLLM 0.32's unquantized MoE method (``UnquantizedFusedMoEMethod._setup_kernel``) treats a
+    layer whose kernel exists as a weight update: it copies the new weights in the checkpoint's
+    layout into the existing parameters and skips the experts' own
+    ``process_weights_after_loading``, which is where the CPU backend prepacks them
+    (``CPUUnquantizedExperts``: ``cpu_prepack_moe_weight``). The CPU kernel then reads unpacked
+    weights as packed ones: on the tiny MoE, a mean log-prob gap of 0.19 per token after one
+    sync. Dropping the kernel for the reload sends each reloaded layer down the first load's path
+    (kernel built, weights prepacked; the reload copies the result into the live parameters); a
+    layer the reload did not fill keeps its kernel, restored here. On GPU (no prepack) nothing
+    changes. tests/engine/rollout/test_sync_expert_parallel.py fails without it."""
+    kernels = {}
+    if device.type == "cpu":
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+            if isinstance(experts, CPUUnquantizedExperts):
+                kernels[module] = method.moe_kernel
+                method.moe_kernel = None
+    try:
+        yield
+    finally:
+        for module, kernel in kernels.items():
+            if module.quant_method.moe_kernel is None:
+                module.quant_method.moe_kernel = kernel
 
 
 class _Counted:

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from kuberl.train.logprobs import DEFAULT_CHUNK_TOKENS, use_logprob_head
 from kuberl.train.lora import LoraOptions, apply_lora
-from kuberl.train.moe import GroupedExperts, use_grouped_experts
+from kuberl.train.moe import GroupedExperts, freeze_routers, use_grouped_experts
 from kuberl.train.packing import PACKED_ATTENTION, UNIFORM_SDPA_ATTR, register_packed_attention
 from kuberl.train.recompute import checkpoint_per_op
 
@@ -72,6 +72,9 @@ class ModelOptions:
     # spec.trainer.lora: adapters on the targeted linear layers (kuberl.train.lora), added before
     # fully_shard; the base frozen. None trains every parameter.
     lora: LoraOptions | None = None
+    # spec.trainer.moe.freezeRouter: the MoE routers get no gradient and no optimizer state
+    # (kuberl.train.moe.freeze_routers), frozen before fully_shard.
+    freeze_router: bool = False
 
 
 def trainer_meshes(device_type: str, world_size: int, expert_parallel: int) -> tuple[DeviceMesh, DeviceMesh | None]:
@@ -196,6 +199,9 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, options: ModelOptions, *, tr
     layers = decoder_layers(model)
     if expert_mesh is not None:
         check_expert_parallel(model.config, options, expert_mesh["ep"].size())
+    if options.freeze_router:
+        # Before fully_shard, which keeps each parameter's requires_grad in its sharded one.
+        freeze_routers(model)
     if options.gradient_checkpointing and trainable:
         if options.checkpoint_per_op:
             for layer in layers:

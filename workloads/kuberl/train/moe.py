@@ -150,3 +150,31 @@ def use_grouped_experts(model: nn.Module, implementation: str = "grouped") -> in
             f"{type(model).__name__}: no fused MoE expert module (gate_up_proj (E, 2I, H), down_proj "
             f"(E, H, I)) found; kuberl's every-expert path supports Qwen3-MoE-style experts")
     return swapped
+
+
+# The child of an MoE block that scores the experts: "gate" (Qwen2/3-MoE, Mixtral, DeepSeek),
+# "router" (GPT-OSS).
+ROUTER_NAMES = ("gate", "router")
+
+
+def freeze_routers(model: nn.Module) -> int:
+    """spec.trainer.moe.freezeRouter (NeMo-RL's ``freeze_moe_router``): every MoE block's router
+    stops training. Its parameters lose ``requires_grad``, so they get no gradient, the
+    optimizer (built from the trainable parameters) keeps no state for them, and AdamW's weight
+    decay never reaches them: they stay bit-identical over steps, while the experts and the
+    dense weights train. Returns how many routers were frozen; raises on a dense model."""
+    config = getattr(model, "config", None)
+    if not is_moe_config(config):
+        raise ValueError(f"spec.trainer.moe.freezeRouter needs a Mixture-of-Experts model; "
+                         f"{type(config).__name__} has no experts: remove freezeRouter")
+    frozen = 0
+    for block in model.modules():
+        children = dict(block.named_children())
+        router = next((children[n] for n in ROUTER_NAMES if n in children), None)
+        if "experts" in children and router is not None:
+            router.requires_grad_(False)
+            frozen += 1
+    if frozen == 0:
+        raise NotImplementedError(f"spec.trainer.moe.freezeRouter: {type(model).__name__} has no MoE block with "
+                                  f"an 'experts' module beside a router named one of {ROUTER_NAMES}")
+    return frozen

@@ -85,6 +85,7 @@ class TrainerConfig:
                                checkpoint_every=trainer.checkpoint_every,
                                param_dtype=dtype, moe_experts=trainer.moe.expert_implementation,
                                cpu_offload=trainer.cpu_offload, expert_parallel=expert_parallel,
+                               freeze_router=trainer.moe.freeze_router,
                                lora=LoraOptions.from_spec(trainer.lora, algo.seed)),
         )
 
