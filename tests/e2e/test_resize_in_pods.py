@@ -204,7 +204,7 @@ def test_a_rollout_pod_killed_mid_generation_costs_no_step_and_its_replacement_s
     victim = pods[-1]
     product.kubectl("delete", "pod", victim, "-n", NAMESPACE, "--grace-period=0", "--force", "--wait=false")
     killed, killed_at = time.monotonic(), step(generating)
-    record_timing("rollout pod killed while generating step", f"{killed_at + 1}")
+    record_timing("rollout pod killed: status showed generating after step", f"{killed_at}")
     status = running.wait("the lost engine's replacement joined", lambda s: recoveries(s, "engineReplaced") >= 1,
                           JOIN_TIMEOUT_S, interval=2, starting=Starting(product, job, pods))
     record_timing("rollout pod kill -> replacement engine joined",
@@ -229,7 +229,13 @@ def test_a_rollout_pod_killed_mid_generation_costs_no_step_and_its_replacement_s
     logged = logged_steps(log)
     assert [n for n, _ in logged] == list(range(1, len(logged) + 1)), "a step ran twice or went missing"
     steps = dict(logged)
-    assert steps[killed_at + 1]["engines_lost"] == 1, steps[killed_at + 1]
+    # The loss shows in the step whose generation it cut short: the one status showed generating or
+    # a later one (status trails the driver by its report interval, and the kill, the kubelet's stop
+    # and Ray's report of the dead actor took 6 s at load 100+: the 2026-11-26 19:06 run's kill at
+    # status step 1 cost step 3 its engine).
+    lost_in = [s for s, m in steps.items() if m["engines_lost"]]
+    assert len(lost_in) == 1 and lost_in[0] > killed_at and steps[lost_in[0]]["engines_lost"] == 1, lost_in
+    record_timing("rollout engine lost in the generation of step", f"{lost_in[0]}")
     assert steps[max(steps)]["engines_live"] == 2, steps[max(steps)]
     seconds = {s: m["step_seconds"] for s, m in steps.items() if s > 1}
     slowest = max((s for s in seconds if s > killed_at), key=seconds.get)
