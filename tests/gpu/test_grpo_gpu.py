@@ -44,24 +44,31 @@ def manifest(model: str, data: str, checkpoints: str) -> dict:
     }
 
 
-def test_colocated_grpo_on_one_gpu_learns_the_tiny_task(tmp_path):
+def run_driver(tmp_path, job: dict) -> list[dict]:
+    """Runs ``python -m kuberl.driver`` on ``job`` in ``tmp_path`` and returns its metrics, a dict
+    per step, after checking that it exited 0 and ran every step."""
     import yaml
 
-    from kuberl.driver import tiny
-
-    model = tiny.make_model(tmp_path / "model")
-    data = tiny.make_data(tmp_path / "data.jsonl")
     config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump(manifest(str(model), str(data), str(tmp_path / "checkpoints"))))
+    config.write_text(yaml.safe_dump(job))
     metrics = tmp_path / "metrics.jsonl"
     proc = subprocess.run([sys.executable, "-m", "kuberl.driver", "--config", str(config), "--work-dir",
                            str(tmp_path / "work"), "--metrics-file", str(metrics)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    log = (tmp_path / "work" / "kuberl-train.log")
+    log = tmp_path / "work" / "kuberl-train.log"
     assert proc.returncode == 0, proc.stdout[-3000:] + (log.read_text()[-6000:] if log.exists() else "")
     steps = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    return steps
+
+
+def test_colocated_grpo_on_one_gpu_learns_the_tiny_task(tmp_path):
+    from kuberl.driver import tiny
+
+    model = tiny.make_model(tmp_path / "model")
+    data = tiny.make_data(tmp_path / "data.jsonl")
+    steps = run_driver(tmp_path, manifest(str(model), str(data), str(tmp_path / "checkpoints")))
 
     rewards = [s["reward_mean"] for s in steps]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5

@@ -8,22 +8,16 @@ vLLM."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from tests.engine.driver.test_lora_e2e import LEARNING_RATE, LORA, peak_logits
-from tests.gpu.test_grpo_gpu import MAX_GAP, MEAN_GAP, STEPS, manifest
+from tests.gpu.test_grpo_gpu import MAX_GAP, MEAN_GAP, manifest, run_driver
 
 pytest.importorskip("vllm")
 pytest.importorskip("ray")
 
 
 def test_colocated_lora_on_one_gpu_learns_the_tiny_task_and_syncs_the_adapters(tmp_path):
-    import yaml
     from safetensors.torch import load_file
 
     from kuberl.driver import tiny
@@ -36,17 +30,7 @@ def test_colocated_lora_on_one_gpu_learns_the_tiny_task_and_syncs_the_adapters(t
     job["spec"]["trainer"]["lora"] = {k: v for k, v in LORA.items() if k != "mergeOnExport"}
     job["spec"]["weightSync"] = {"method": "nccl"}
     job["spec"]["algorithm"]["learningRate"] = LEARNING_RATE  # as on CPU (test_lora_e2e.py)
-    config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump(job))
-    metrics = tmp_path / "metrics.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "kuberl.driver", "--config", str(config), "--work-dir",
-                           str(tmp_path / "work"), "--metrics-file", str(metrics)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    log = tmp_path / "work" / "kuberl-train.log"
-    assert proc.returncode == 0, proc.stdout[-3000:] + (log.read_text()[-6000:] if log.exists() else "")
-    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    steps = run_driver(tmp_path, job)
 
     rewards = [s["reward_mean"] for s in steps]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
