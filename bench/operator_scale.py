@@ -173,15 +173,16 @@ def run(jobs: int, rate: float, timeout: float, profile: str | None = None, py_s
     with Cluster() as cluster:
         # Through the API, not kubectl: the bench then needs no kubectl binary where it runs.
         client = cluster.api_client()
-        crd = yaml.safe_load((REPO / "crds" / "rltrainingjobs.kuberl.dev.yaml").read_text())
-        kubernetes.client.ApiextensionsV1Api(client).create_custom_resource_definition(crd)
+        crds = REPO / "crds" / "rltrainingjobs.kuberl.dev.yaml"  # the CRD and its admission policy
+        kubernetes.utils.create_from_yaml(client, yaml_file=str(crds))
         kubernetes.client.CoreV1Api(client).create_namespace({"metadata": {"name": NAMESPACE}})
+        crd = next(yaml.safe_load_all(crds.read_text()))["metadata"]["name"]
         for _ in range(600):
-            if cluster.crd_established(crd["metadata"]["name"]):
+            if cluster.crd_established(crd):
                 break
             time.sleep(0.1)
         else:
-            raise RuntimeError(f"CRD {crd['metadata']['name']} not Established within 60 s")
+            raise RuntimeError(f"CRD {crd} not Established within 60 s")
         custom = kubernetes.client.CustomObjectsApi(client)
         kubeconfig = str(cluster.kubeconfig)
         watchers = {"rayjob": Watcher(kubeconfig, "rayjobs"), "raycluster": Watcher(kubeconfig, "rayclusters"),
