@@ -13,6 +13,7 @@ client saw each object appear, so watch delivery is included for both operators 
 
     python bench/operator_scale.py --jobs 1000 --rate 20 --json out.json
     python bench/operator_scale.py --jobs 300 --rate 10 --profile operator.prof   # where its time goes
+    python bench/operator_scale.py --jobs 300 --rate 10 --py-spy operator.txt     # where its CPU goes
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,20 +50,40 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def _watch(kubeconfig: str, plural: str, needs_phase: bool, out, stop) -> None:
+WATCHED = {  # plural: (group, version) of each kind the operator watches in the namespace
+    "rltrainingjobs": ("kuberl.dev", "v1alpha1"), "rayjobs": ("ray.io", "v1"), "rayclusters": ("ray.io", "v1"),
+    "pods": ("", "v1"), "configmaps": ("", "v1"),
+}
+
+
+def _watch(kubeconfig: str, plural: str, needs_phase: bool, out, stop, events) -> None:
     """In a process of its own: put (name, monotonic time) on ``out`` when each object in the
-    namespace first appears (with ``needs_phase``: first has status.phase)."""
+    namespace first appears (with ``needs_phase``: first has status.phase), and count every watch
+    event in ``events`` (the operator's watch of the same kind gets the same ones)."""
     import kubernetes
 
-    custom = kubernetes.client.CustomObjectsApi(kubernetes.config.new_client_from_config(config_file=kubeconfig))
-    group, version = ("kuberl.dev", "v1alpha1") if plural == "rltrainingjobs" else ("ray.io", "v1")
+    client = kubernetes.config.new_client_from_config(config_file=kubeconfig)
+    group, version = WATCHED[plural]
+    if group:
+        custom = kubernetes.client.CustomObjectsApi(client)
+        args = (custom.list_namespaced_custom_object, group, version, NAMESPACE, plural)
+    else:
+        core = kubernetes.client.CoreV1Api(client)
+        args = (getattr(core, f"list_namespaced_{plural[:-1].replace('configmap', 'config_map')}"), NAMESPACE)
     seen: set[str] = set()
+    resource_version = None
     out.put(None)  # ready: the first list+watch follows
     while not stop.is_set():
         try:
-            for event in kubernetes.watch.Watch().stream(custom.list_namespaced_custom_object, group, version,
-                                                         NAMESPACE, plural, timeout_seconds=60):
+            # deserialize=False: plain dicts, not the client's models (pods would cost this process
+            # the CPU the machine's other parts need).
+            for event in kubernetes.watch.Watch().stream(*args, timeout_seconds=60, deserialize=False,
+                                                         resource_version=resource_version):
                 obj = event["object"]
+                resource_version = obj["metadata"].get("resourceVersion") or resource_version
+                if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                    with events.get_lock():
+                        events.value += 1
                 name = obj["metadata"]["name"]
                 if name not in seen and event["type"] in ("ADDED", "MODIFIED") \
                         and (not needs_phase or (obj.get("status") or {}).get("phase")):
@@ -69,7 +91,8 @@ def _watch(kubeconfig: str, plural: str, needs_phase: bool, out, stop) -> None:
                     out.put((name, time.monotonic()))
                 if stop.is_set():
                     break
-        except Exception:  # a dropped watch is re-opened; list+watch replays ADDED events
+        except Exception:  # a dropped watch is re-opened: list+watch replays ADDED events
+            resource_version = None
             time.sleep(0.2)
 
 
@@ -85,9 +108,10 @@ class Watcher:
         spawn = multiprocessing.get_context("spawn")  # not fork: this process runs threads
         self._queue = spawn.Queue()
         self.stop = spawn.Event()
+        self.events = spawn.Value("q", 0)  # watch events of this kind (ADDED, MODIFIED, DELETED)
         self.ready = threading.Event()
         self._process = spawn.Process(target=_watch, args=(kubeconfig, plural, needs_phase, self._queue,
-                                                                     self.stop), daemon=True)
+                                                           self.stop, self.events), daemon=True)
         self._drain = threading.Thread(target=self._collect, daemon=True)
 
     def start(self) -> None:
@@ -133,18 +157,38 @@ def server_stamped(custom) -> list[float]:
     return [(ray_jobs[n] - jobs[n]).total_seconds() for n in jobs if n in ray_jobs]
 
 
-def run(jobs: int, rate: float, timeout: float, profile: str | None = None) -> dict:
+def _stop(process: subprocess.Popen, sig: int = signal.SIGTERM, wait: float = 30) -> None:
+    """Send ``sig``; if the process has not exited after ``wait`` seconds, kill it."""
+    process.send_signal(sig)
+    try:
+        process.wait(timeout=wait)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def run(jobs: int, rate: float, timeout: float, profile: str | None = None, py_spy: str | None = None) -> dict:
     import kubernetes
 
     with Cluster() as cluster:
-        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds" / "rltrainingjobs.kuberl.dev.yaml"))
-        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/rltrainingjobs.kuberl.dev")
-        cluster.kubectl("create", "namespace", NAMESPACE)
+        # Through the API, not kubectl: the bench then needs no kubectl binary where it runs.
         client = cluster.api_client()
+        crds = REPO / "crds" / "rltrainingjobs.kuberl.dev.yaml"  # the CRD and its admission policy
+        kubernetes.utils.create_from_yaml(client, yaml_file=str(crds))
+        kubernetes.client.CoreV1Api(client).create_namespace({"metadata": {"name": NAMESPACE}})
+        crd = next(yaml.safe_load_all(crds.read_text()))["metadata"]["name"]
+        for _ in range(600):
+            if cluster.crd_established(crd):
+                break
+            time.sleep(0.1)
+        else:
+            raise RuntimeError(f"CRD {crd} not Established within 60 s")
         custom = kubernetes.client.CustomObjectsApi(client)
         kubeconfig = str(cluster.kubeconfig)
         watchers = {"rayjob": Watcher(kubeconfig, "rayjobs"), "raycluster": Watcher(kubeconfig, "rayclusters"),
-                    "status": Watcher(kubeconfig, "rltrainingjobs", needs_phase=True)}
+                    "status": Watcher(kubeconfig, "rltrainingjobs", needs_phase=True),
+                    # Counted only: every event of these reaches the operator's watches too.
+                    "pod": Watcher(kubeconfig, "pods"), "configmap": Watcher(kubeconfig, "configmaps")}
         for w in watchers.values():
             w.start()
         for w in watchers.values():
@@ -157,6 +201,12 @@ def run(jobs: int, rate: float, timeout: float, profile: str | None = None) -> d
             [*launch, "--namespace", NAMESPACE, "--kubeconfig", str(cluster.kubeconfig),
              "--metrics-port", "0", "--liveness", "", "--log-level", "WARNING"],
             stdout=log, stderr=subprocess.STDOUT)
+        # py-spy samples the running operator from outside (no slowdown, unlike cProfile);
+        # --nonblocking: it does not pause the operator to read its stacks.
+        sampler = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--nonblocking",
+                                    "--format", "raw", "--rate", "100", "--output", py_spy,
+                                    "--pid", str(operator.pid)],
+                                   stdout=log, stderr=subprocess.STDOUT) if py_spy else None
         try:
             time.sleep(3)  # the operator's watches are open before the first job arrives
             created: dict[str, float] = {}
@@ -177,16 +227,28 @@ def run(jobs: int, rate: float, timeout: float, profile: str | None = None) -> d
             create_seconds = time.monotonic() - start
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
-                if all(len(w.seen) >= jobs for w in watchers.values()):
+                if all(len(watchers[k].seen) >= jobs for k in ("rayjob", "raycluster", "status")):
                     break
                 time.sleep(0.5)
             peak = rss_peak_mib(operator.pid)
             stamped = server_stamped(custom)
             cpu = cpu_seconds(operator.pid)
             wall = time.monotonic() - start
+            events = {k: w.events.value for k, w in watchers.items() if k != "status"}
+            events["rltrainingjob"] = watchers["status"].events.value
         finally:
-            operator.terminate()
-            operator.wait(timeout=30)
+            if sampler is not None:
+                _stop(sampler, signal.SIGINT, wait=120)  # py-spy writes its output on SIGINT
+            if profile:
+                # The profiled operator dumps on SIGUSR1 (kopf keeps SIGTERM and SIGINT for its
+                # graceful stop, which waits for every reconcile in flight).
+                Path(profile).unlink(missing_ok=True)
+                operator.send_signal(signal.SIGUSR1)
+                for _ in range(240):
+                    if Path(profile).exists():
+                        break
+                    time.sleep(0.5)
+            _stop(operator)
             for w in watchers.values():
                 w.stop.set()
 
@@ -206,6 +268,10 @@ def run(jobs: int, rate: float, timeout: float, profile: str | None = None) -> d
             "kuberay_rayjob_to_raycluster_s": {"p50": percentile(to_cluster, 0.5), "p99": percentile(to_cluster, 0.99)},
             "operator_peak_rss_mib": round(peak, 1),
             "operator_cpu_s": round(cpu, 1), "wall_s": round(wall, 1),
+            "operator_cpu_ms_per_job": round(1000 * cpu / jobs, 1),
+            "watch_events_per_job": {k: round(n / jobs, 2) for k, n in sorted(events.items())},
+            # Events differ between runs with how far KubeRay got in the window: per event compares runs.
+            "operator_cpu_ms_per_event": round(1000 * cpu / max(1, sum(events.values())), 2),
             "load_average_1m": os.getloadavg()[0],
             "mean_create_to_rayjob_s": statistics.fmean(to_ray_job) if to_ray_job else float("nan"),
         }
@@ -223,6 +289,9 @@ def table(result: dict) -> str:
     lines.append(f"{'operator peak RSS (MiB)':44s} {result['operator_peak_rss_mib']:8.1f}")
     lines.append(f"{'operator CPU s / wall s':44s} {result['operator_cpu_s']:8.1f} {result['wall_s']:8.1f}"
                  f"   (machine load average {result['load_average_1m']:.1f})")
+    lines.append(f"{'operator CPU ms per job / per watch event':44s} {result['operator_cpu_ms_per_job']:8.1f} "
+                 f"{result['operator_cpu_ms_per_event']:8.2f}")
+    lines.append("watch events per job: " + ", ".join(f"{k} {v}" for k, v in result["watch_events_per_job"].items()))
     ratio = result["kuberl_create_to_rayjob_s"]["p99"] / result["kuberay_rayjob_to_raycluster_s"]["p99"]
     result["headline_ratio"] = ratio
     lines.append(f"headline: kuberl create->RayJob p99 / KubeRay RayJob->RayCluster p99 = {ratio:.2f}x "
@@ -238,10 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("--profile", metavar="PATH",
                    help="run the operator under cProfile (every thread; slows it) and write the stats to PATH")
+    p.add_argument("--py-spy", metavar="PATH",
+                   help="sample the operator with py-spy (no slowdown) and write its collapsed stacks to PATH")
     args = p.parse_args(argv)
     if args.jobs < 1 or args.rate <= 0:
         p.error("--jobs must be >= 1 and --rate > 0")
-    result = run(args.jobs, args.rate, args.timeout, args.profile)
+    result = run(args.jobs, args.rate, args.timeout, args.profile, args.py_spy)
     print(table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

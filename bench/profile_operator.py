@@ -1,6 +1,8 @@
 """Run ``python -m kuberl_operator`` under cProfile in every thread (the asyncio loop with kopf's
-watches, and the reconcile and apply threads); the merged stats go to the first argument when the
-operator exits. ``bench/operator_scale.py --profile PATH`` starts the operator through it.
+watches, and the reconcile and apply threads); the merged stats go to the first argument on
+SIGUSR1 (written to a temporary name, then renamed: the file appears whole). Not at exit: kopf's
+graceful stop on SIGTERM waits for the reconciles in flight, longer than a bench waits.
+``bench/operator_scale.py --profile PATH`` starts the operator through it.
 
     python bench/profile_operator.py OUT.prof --namespace NS ...
     python -c "import pstats; pstats.Stats('OUT.prof').sort_stats('tottime').print_stats(30)"
@@ -8,9 +10,10 @@ operator exits. ``bench/operator_scale.py --profile PATH`` starts the operator t
 
 from __future__ import annotations
 
-import atexit
 import cProfile
+import os
 import pstats
+import signal
 import sys
 import threading
 
@@ -28,18 +31,30 @@ def _profiled_run(self: threading.Thread) -> None:
         profile.disable()
 
 
+class _Snapshot:
+    """A profile's stats so far, read while its thread runs on. ``pstats.Stats(profile)`` would
+    call ``profile.disable()``, which from another thread frees the running thread's call stack."""
+
+    def __init__(self, profile: cProfile.Profile) -> None:
+        profile.snapshot_stats()
+        self.stats = profile.stats
+
+    def create_stats(self) -> None:
+        """What ``pstats`` calls before reading ``stats``: nothing more to collect."""
+
+
 def _dump(path: str) -> None:
-    profiles[0].disable()
-    stats = pstats.Stats(profiles[0])
-    for profile in profiles[1:]:
-        stats.add(profile)
-    stats.dump_stats(path)
+    stats = pstats.Stats(*(_Snapshot(profile) for profile in list(profiles)))
+    stats.dump_stats(f"{path}.tmp")
+    os.replace(f"{path}.tmp", path)
 
 
 if __name__ == "__main__":
     out, sys.argv = sys.argv[1], ["kuberl_operator", *sys.argv[2:]]
     threading.Thread.run = _profiled_run
-    atexit.register(_dump, out)
+    # Python runs the handler in the main thread, which runs the asyncio loop (kopf installs
+    # handlers for SIGINT and SIGTERM only).
+    signal.signal(signal.SIGUSR1, lambda *_: _dump(out))
     from kuberl_operator.__main__ import main
 
     profiles[0].enable()

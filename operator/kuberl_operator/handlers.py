@@ -1,5 +1,6 @@
-"""kopf wiring: watches feed in-memory indices, every change of a job or of something it owns
-triggers one reconcile of that job, and the reconcile runs the pure plan from ``reconcile``.
+"""kopf wiring: watches feed in-memory indices, every change of a job, or of what its reconcile
+reads of something it owns, triggers one reconcile of that job, and the reconcile runs the pure
+plan from ``reconcile``.
 
 - kopf indices (label ``kuberl.dev/job``) hold the RayJobs, RayClusters, ConfigMaps and pods of
   every job; kopf fills them from their watch streams before any handler runs, so a restarted
@@ -30,7 +31,7 @@ from kuberl_operator.invalid import checked_plan
 from kuberl_operator.kube import Kube
 from kuberl_operator.metrics import Metrics
 from kuberl_operator.reconcile import Event, Plan, Settings, next_action
-from kuberl_operator.status import indexed_pod_status, status_changed
+from kuberl_operator.status import indexed_pod_status, indexed_ray_job_status, status_changed
 from kuberl_operator.workqueue import Key, WorkQueue
 
 log = logging.getLogger("kuberl_operator")
@@ -47,6 +48,30 @@ def _plain(value: Any) -> Any:
 
 def _slim_meta(meta: Any) -> dict[str, Any]:
     return {k: _plain(meta[k]) for k in ("name", "labels", "annotations", "ownerReferences", "uid") if k in meta}
+
+
+# What the indices keep of each owned object (index entries): only what the reconcile reads (not a
+# RayJob's or pod's whole spec), so memory stays proportional to jobs, not to the size of their
+# clusters, and a watch event that changes none of it triggers no reconcile (``entry_changed``).
+
+def ray_job_entry(meta: Any, spec: Any, status: Any) -> dict[str, Any]:
+    return {"metadata": _slim_meta(meta), "spec": {"suspend": spec.get("suspend", False)},
+            "status": _plain(indexed_ray_job_status(status))}
+
+
+def ray_cluster_entry(meta: Any, spec: Any, status: Any) -> dict[str, Any]:
+    groups = [{"groupName": g.get("groupName"), "replicas": g.get("replicas")}
+              for g in spec.get("workerGroupSpecs") or []]  # a live resize compares them
+    return {"metadata": _slim_meta(meta), "spec": {"workerGroupSpecs": groups}, "status": {"state": status.get("state")}}
+
+
+def pod_entry(meta: Any, spec: Any, status: Any) -> dict[str, Any]:
+    # The pod's usage, not its spec: the accounting (kuberl_operator.cost) needs a few numbers.
+    return {"metadata": _slim_meta(meta), "status": _plain(indexed_pod_status(status)),
+            "usage": pod_usage(meta, spec, status)}
+
+
+ENTRIES = {"rayjobs": ray_job_entry, "rayclusters": ray_cluster_entry, "pods": pod_entry}
 
 
 def _owned_by(obj: dict[str, Any], uid: str | None) -> bool:
@@ -210,30 +235,27 @@ def register(registry: kopf.OperatorRegistry) -> None:
         # ServiceAccount token, elsewhere $KUBECONFIG.
         return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
-    # Index values keep only what the reconcile reads (not a RayJob's or pod's whole spec):
-    # memory stays proportional to jobs, not to the size of their clusters.
+    # Every handler here is ``async`` though none awaits: kopf runs a sync handler in its thread
+    # pool, one thread hop (submit, wake-up, GIL hand-over, call_soon_threadsafe) per watch event
+    # and handler; that hop cost more CPU than the handlers' own work (bench/operator_scale.py).
     @kopf.index(t.GROUP, t.VERSION, t.PLURAL, id="jobs_by_key", registry=registry)
-    def jobs_by_key(namespace, name, body, **_):
+    async def jobs_by_key(namespace, name, body, **_):
         job = _plain(body)
         job["metadata"].pop("managedFields", None)
         return {(namespace, name): job}
 
     @kopf.index("ray.io", "v1", "rayjobs", id="ray_jobs_by_job", **owned)
-    def ray_jobs_by_job(namespace, labels, meta, spec, status, **_):
-        return {(namespace, labels[JOB_LABEL]): {"metadata": _slim_meta(meta), "spec": {"suspend": spec.get("suspend", False)},
-                                                 "status": _plain(status)}}
+    async def ray_jobs_by_job(namespace, labels, meta, spec, status, **_):
+        return {(namespace, labels[JOB_LABEL]): ray_job_entry(meta, spec, status)}
 
     @kopf.index("ray.io", "v1", "rayclusters", id="ray_clusters_by_job", **owned)
-    def ray_clusters_by_job(namespace, labels, meta, spec, status, **_):
-        groups = [{"groupName": g.get("groupName"), "replicas": g.get("replicas")}
-                  for g in spec.get("workerGroupSpecs") or []]  # a live resize compares them
-        return {(namespace, labels[JOB_LABEL]): {"metadata": _slim_meta(meta), "spec": {"workerGroupSpecs": groups},
-                                                 "status": {"state": status.get("state")}}}
+    async def ray_clusters_by_job(namespace, labels, meta, spec, status, **_):
+        return {(namespace, labels[JOB_LABEL]): ray_cluster_entry(meta, spec, status)}
 
     # Kueue's Workloads carry none of the job's labels: they are found by their owner, the RayJob.
     # Without Kueue's CRD kopf has nothing to watch, and the index stays empty.
     @kopf.index("kueue.x-k8s.io", "v1beta2", "workloads", id="workloads_by_ray_job", registry=registry)
-    def workloads_by_ray_job(namespace, meta, spec, status, **_):
+    async def workloads_by_ray_job(namespace, meta, spec, status, **_):
         owners = [ref for ref in meta.get("ownerReferences") or []
                   if ref.get("kind") == "RayJob" and ref.get("apiVersion", "").startswith("ray.io/") and ref.get("controller")]
         return {(namespace, ref["name"]): {"metadata": {"name": meta["name"]}, "owner_uid": ref.get("uid"),
@@ -242,15 +264,12 @@ def register(registry: kopf.OperatorRegistry) -> None:
                 for ref in owners}
 
     @kopf.index("v1", "configmaps", id="config_maps_by_job", **owned)
-    def config_maps_by_job(namespace, labels, meta, body, **_):
+    async def config_maps_by_job(namespace, labels, meta, body, **_):
         return {(namespace, labels[JOB_LABEL]): {"metadata": _slim_meta(meta), "data": _plain(body.get("data", {}))}}
 
     @kopf.index("v1", "pods", id="pods_by_job", **owned)
-    def pods_by_job(namespace, labels, meta, spec, status, **_):
-        # The pod's usage, not its spec: the accounting (kuberl_operator.cost) needs a few numbers.
-        return {(namespace, labels[JOB_LABEL]): {"metadata": _slim_meta(meta),
-                                                 "status": _plain(indexed_pod_status(status)),
-                                                 "usage": pod_usage(meta, spec, status)}}
+    async def pods_by_job(namespace, labels, meta, spec, status, **_):
+        return {(namespace, labels[JOB_LABEL]): pod_entry(meta, spec, status)}
 
     def _capture(memo, kwargs) -> Controller:
         controller: Controller = memo.controller
@@ -284,5 +303,8 @@ def register(registry: kopf.OperatorRegistry) -> None:
 
     for group_version_plural in (("ray.io", "v1", "rayjobs"), ("ray.io", "v1", "rayclusters"), ("v1", "pods")):
         @kopf.on.event(*group_version_plural, id=f"{group_version_plural[-1]}_changed", **owned)
-        async def owned_changed(namespace, labels, memo, **kwargs):
-            await _capture(memo, kwargs).queue.trigger((namespace, labels[JOB_LABEL]))
+        async def owned_changed(type, namespace, labels, meta, spec, status, uid, resource, memo, **kwargs):
+            controller = _capture(memo, kwargs)
+            entry = ENTRIES[resource.plural](meta, spec, status)
+            if controller.queue.state.entry_changed((resource.plural, uid), entry, gone=type == "DELETED"):
+                await controller.queue.trigger((namespace, labels[JOB_LABEL]))

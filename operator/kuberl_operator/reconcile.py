@@ -112,7 +112,14 @@ def _config_spec(config: str) -> dict[str, Any] | None:
 def written_plan(observed: o.Observed) -> plans.RunPlan | None:
     """The run plan in the job's ConfigMap (the one its newest attempt was created with), if any."""
     data = (observed.config_map or {}).get("data") or {}
-    return plans.read(data[PLAN_FILE]) if PLAN_FILE in data else None
+    return _read_plan(data[PLAN_FILE]) if PLAN_FILE in data else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _read_plan(text: str) -> plans.RunPlan:
+    """A ConfigMap's plan, parsed once per text (a frozen model, safe to share): every reconcile
+    of a job reads it, and parsing it was a tenth of the operator's CPU (bench/operator_scale.py)."""
+    return plans.read(text)
 
 
 def _spec_dict(job: t.RLTrainingJob) -> dict[str, Any]:

@@ -69,6 +69,18 @@ CANNOT_START = {
 }
 
 
+# What the reconcile reads of a RayJob's status (``observed``, ``compute_status``, the restart's
+# failure time): the operator's RayJob index keeps these only. The rest (rayClusterStatus, a copy
+# of the RayCluster's, which KubeRay rewrites as its pods come) changed in most RayJob events.
+RAY_JOB_STATUS_FIELDS = ("jobDeploymentStatus", "jobStatus", "reason", "message", "jobId", "rayClusterName",
+                         "dashboardURL", "startTime", "endTime")
+
+
+def indexed_ray_job_status(status: dict[str, Any]) -> dict[str, Any]:
+    """What the operator's RayJob index keeps of a RayJob's status (``RAY_JOB_STATUS_FIELDS``)."""
+    return {k: status[k] for k in RAY_JOB_STATUS_FIELDS if k in status}
+
+
 def indexed_pod_status(status: dict[str, Any]) -> dict[str, Any]:
     """What the operator's pod index keeps of a pod's status: what ``status_of`` reads (phase,
     conditions, init containers for staging and their failures, and each main container's

@@ -12,6 +12,10 @@ their own; ``WorkQueue`` only wires it to asyncio.
 - **Write tracking.** The job as our own last status write returned it: the watch may not have
   delivered it yet, and reconciling from the older cached copy would repeat transitions and events.
   When the watch does deliver it (the same resourceVersion), that echo triggers nothing.
+- **Changes only.** An owned object's watch event triggers its job only if what the job's
+  reconcile reads of the object (its index entry) changed: the reconcile is a function of those
+  entries, the job and the clock, so an event that leaves the entry as it was would plan the same
+  writes again. Most of KubeRay's and kubelet's updates touch nothing the operator reads.
 - **Resync.** Every job is triggered every ``resync_seconds``, the safety net of a
   level-triggered controller.
 
@@ -55,6 +59,8 @@ class QueueState:
     again: set[Key] = field(default_factory=set)   # triggered while running: run once more
     due: dict[Key, float] = field(default_factory=dict)
     written: dict[Key, dict[str, Any]] = field(default_factory=dict)
+    # (kind, uid) of each owned object -> its index entry when it last triggered its job.
+    entries: dict[tuple[str, str], Any] = field(default_factory=dict)
 
     def request(self, key: Key) -> bool:
         """A trigger for ``key``: True if the caller is to reconcile it now, False if it merged
@@ -106,6 +112,18 @@ class QueueState:
             return False
         ours, theirs = written["metadata"], event.get("metadata") or {}
         return ours.get("uid") == theirs.get("uid") and ours.get("resourceVersion") == theirs.get("resourceVersion")
+
+    def entry_changed(self, obj: tuple[str, str], entry: Any, gone: bool = False) -> bool:
+        """An owned object ``obj`` ((kind, uid)) was seen with index ``entry`` (``gone``: deleted):
+        True if its job is to reconcile, which is when the entry differs from the last one that
+        triggered (or the object went). A reconcile that failed retries on its own requeue."""
+        if gone:
+            self.entries.pop(obj, None)
+            return True
+        if obj in self.entries and self.entries[obj] == entry:
+            return False
+        self.entries[obj] = entry
+        return True
 
     def latest(self, key: Key, cached: dict[str, Any]) -> dict[str, Any]:
         """The copy of job ``key`` to reconcile from: the cached one or our own newer write."""

@@ -12,7 +12,7 @@ from kuberl.api.types import RLTrainingJobStatus
 from kuberl.api.validate import validate_manifest
 from kuberl.api.contract import ATTEMPT_ANNOTATION
 from kuberl_operator.observed import Observed
-from kuberl_operator.status import indexed_pod_status
+from kuberl_operator.status import indexed_pod_status, indexed_ray_job_status
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
@@ -31,11 +31,12 @@ def job(name: str = "tiny", status: dict[str, Any] | None = None, generation: in
 
 def ray_job(name: str, attempt: int = 0, deployment: str = "", job_status: str = "", suspend: bool = False,
             **status: Any) -> dict[str, Any]:
+    """A RayJob as the operator's RayJob index holds it (``indexed_ray_job_status``)."""
     st = {"jobDeploymentStatus": deployment, "jobStatus": job_status, **status}
     return {"apiVersion": "ray.io/v1", "kind": "RayJob",
             "metadata": {"name": name, "namespace": "ns", "annotations": {ATTEMPT_ANNOTATION: str(attempt)},
                          "ownerReferences": [{"uid": UID}]},
-            "spec": {"suspend": suspend}, "status": {k: v for k, v in st.items() if v}}
+            "spec": {"suspend": suspend}, "status": indexed_ray_job_status({k: v for k, v in st.items() if v})}
 
 
 def pod(name: str, phase: str = "Running", init: list[dict[str, Any]] | None = None,

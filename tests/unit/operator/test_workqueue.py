@@ -76,6 +76,19 @@ def test_only_the_echo_of_our_own_last_write_is_skipped():
     assert not q.is_echo(A, obj("u1", "9"))
 
 
+def test_an_owned_object_triggers_only_when_its_entry_changed_or_it_went():
+    q = QueueState()
+    pod = ("pods", "u1")
+    assert q.entry_changed(pod, {"phase": "Pending"})        # first seen (also after a restart)
+    assert not q.entry_changed(pod, {"phase": "Pending"})    # an update of fields not indexed
+    assert q.entry_changed(pod, {"phase": "Running"})
+    assert not q.entry_changed(pod, {"phase": "Running"})
+    assert q.entry_changed(("rayjobs", "u1"), {"phase": "Running"})  # another kind, same uid
+    assert q.entry_changed(pod, {"phase": "Running"}, gone=True)
+    assert pod not in q.entries
+    assert q.entry_changed(pod, {"phase": "Running"})        # nothing kept of a deleted one
+
+
 @pytest.mark.parametrize("cached, written", [
     (obj("u1", "9"), obj("u1", "8")),     # the watch caught up
     (obj("u2", "1"), obj("u1", "9")),     # a job recreated under the same name
