@@ -48,6 +48,25 @@ lp, lse, ent = (torch.empty(3) for _ in range(3))
 head_kernel.row_stats(sub, torch.tensor([0, 1, 2999]), 1.0, True, lp, lse, ent, block=4096)
 want = _chunk_forward(sub.double(), torch.tensor([0, 1, 2999]), 1.0, True)
 assert all(torch.allclose(a.double(), b, rtol=1e-5, atol=2e-5) for a, b in zip((lp, lse, ent), want))
+# The backward's in-place gradient, one-hot term included, with and without the entropy's term.
+from kuberl.train.logprobs import _chunk_grad_logits_into
+for vocab, dtype, with_entropy in [(3000, torch.float32, True), (9000, torch.bfloat16, True),
+                                   (3000, torch.float32, False)]:
+    n = 4
+    logits = (torch.randn(n, vocab) * 3).to(dtype)
+    logits[1, 5] = 40.0  # p of the target near 1: the two terms nearly cancel
+    targets = torch.tensor([0, 5, vocab - 1, 17])
+    lp, lse, ent = (torch.empty(n) for _ in range(3))
+    head_kernel.row_stats(logits, targets, 0.8, True, lp, lse, ent, block=1024)
+    grad_lp, grad_ent = torch.randn(n), torch.randn(n)
+    entropy, g_ent = (ent, grad_ent) if with_entropy else (None, None)
+    want = logits.double()
+    _chunk_grad_logits_into(want, 0.8, lse.double(), entropy.double() if with_entropy else None,
+                            grad_lp.double(), g_ent.double() if with_entropy else None, targets)
+    got = logits.clone()
+    head_kernel.grad_logits_(got, 0.8, lse, entropy, grad_lp, g_ent, targets, block=1024)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got.double(), want, rtol=tol, atol=tol * 1e-2), (vocab, dtype, (got.double() - want).abs().max())
 print("ok")
 """
 
