@@ -1,10 +1,11 @@
-"""The log-prob head's passes over its logits on one GPU. Forward statistics (log p(target), logsumexp, entropy per row):
-the one-pass Triton kernel (``kuberl.train.head_kernel``, autotuned and at each fixed block)
-against the compiled PyTorch formulation it replaced (``logprobs._chunk_forward`` under
-``torch.compile``, 1024-row chunks), on the dense preset's kept logits of one micro-batch
-(14,336 scored rows x vocab 151,936, bf16); and the backward's in-place gradient over the same
-logits (one read and one write), Triton (``head_kernel.grad_logits_``) against the compiled
-PyTorch slices it replaced.
+"""The log-prob head's two passes over its logits on one GPU, Triton against compiled PyTorch.
+
+Forward statistics (log p(target), logsumexp, entropy per row): the one-pass Triton kernel
+(``kuberl.train.head_kernel.row_stats``, autotuned and at each fixed block) against the compiled
+PyTorch formulation it replaced (``logprobs._chunk_forward`` under ``torch.compile``, 1024-row
+chunks). Backward: the in-place gradient of the same logits (one read and one write), Triton
+(``head_kernel.grad_logits_``) against the compiled PyTorch slices it replaced. The logits are
+the dense preset's kept logits of one micro-batch (14,336 scored rows x vocab 151,936, bf16).
 
     PYTHONPATH=workloads python bench/head_stats.py [--rows 14336 --vocab 151936] [--json out.json]
 """
