@@ -212,8 +212,9 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, options: ModelOptions, *, tr
             checkpointed = layers[::options.checkpoint_every]
             if is_moe_config(model.config):
                 # MoE: the library's eager checkpoint around the compiled layer. Inside it the MoE
-                # preset's step was 1.46x slower with every layer checkpointed (0.957 s against
-                # 0.654 s) and 1.08x at every 4th (H200, docs/benchmarks.md); why is not known yet.
+                # preset's step was 1.50x slower with every layer checkpointed (0.957 s against
+                # 0.636 s) and 1.15x at every 4th (two calls on H200s, docs/benchmarks.md); why
+                # is not known yet.
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
                 for layer in layers:
                     layer.gradient_checkpointing = any(layer is c for c in checkpointed)
