@@ -37,7 +37,8 @@ def test_compiled_layers_train_and_a_variant_past_the_limit_is_an_error_not_an_e
             ids = torch.randint(4, 100, (1, sum(lengths)))
             kwargs = dict(position_ids=position_ids(lengths, ids.device), **attention_kwargs(lengths, ids.device))
             with torch.set_grad_enabled(grad):
-                logits = model(input_ids=ids, **(kwargs if packed else {})).logits
+                # No KV cache, as the trainer calls it (TrainerWorker._forward).
+                logits = model(input_ids=ids, use_cache=False, **(kwargs if packed else {})).logits
             if grad:
                 logits.float().mean().backward()  # recomputes each checkpointed, compiled layer
 

@@ -42,6 +42,7 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 
 def _chunk_forward(logits: torch.Tensor, targets: torch.Tensor, inv_temp: float, with_entropy: bool):
+    """Off GPU; on GPU ``head_kernel.row_stats`` computes the same in one pass over the logits."""
     z = logits.to(_acc(logits.dtype)) * inv_temp
     lse = torch.logsumexp(z, dim=-1)
     logprobs = z.gather(-1, targets[:, None]).squeeze(-1) - lse
@@ -106,12 +107,20 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
         lse = hidden.new_empty(n, dtype=acc)
         entropy = hidden.new_empty(n, dtype=acc) if with_entropy else None
         keep = n * weight.shape[0] * hidden.element_size() <= keep_logits_bytes
-        # Kept: one matmul for all rows; the fp32 work below still goes chunk by chunk.
+        # Kept: one matmul for all rows (and on GPU one pass of the statistics kernel over them);
+        # otherwise chunk by chunk.
         kept = hidden @ weight.t() if keep else None
-        for lo in range(0, n, chunk):
-            hi = min(n, lo + chunk)
+        step = n if keep and hidden.is_cuda else chunk
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
             logits = kept[lo:hi] if keep else hidden[lo:hi] @ weight.t()
-            lp, l, ent = _fused(_chunk_forward, logits)(logits, targets[lo:hi], inv_temp, with_entropy)
+            if logits.is_cuda:
+                from kuberl.train import head_kernel  # Triton: only where there is a GPU
+
+                head_kernel.row_stats(logits, targets[lo:hi], inv_temp, with_entropy, logprobs[lo:hi],
+                                      lse[lo:hi], entropy[lo:hi] if with_entropy else None)
+                continue
+            lp, l, ent = _chunk_forward(logits, targets[lo:hi], inv_temp, with_entropy)
             logprobs[lo:hi], lse[lo:hi] = lp, l
             if with_entropy:
                 entropy[lo:hi] = ent
@@ -149,7 +158,13 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
             # slice copied into fp32, then both cast back: ~7 ms of kernels a step in an H200
             # profile (issue 36).
             # A second backward (retain_graph) fails on the saved tensor's version, as autograd
-            # checks it.
+            # checks it. On GPU one Triton pass over all of them (head_kernel.grad_logits_: the
+            # compiled slices below ran at 1.2 TB/s, ~19 ms of an H200 step's kernels).
+            if kept.is_cuda:
+                from kuberl.train import head_kernel
+
+                head_kernel.grad_logits_(kept, inv_temp, lse, entropy, grad_lp, grad_ent, targets)
+                return kept @ weight, kept.t() @ hidden, None, None, None, None, None
             for lo in range(0, vocab, width):
                 logits = kept[:, lo:min(vocab, lo + width)]
                 _fused(_chunk_grad_logits_into, logits)(logits, inv_temp, lse, entropy, grad_lp, grad_ent, targets - lo)
