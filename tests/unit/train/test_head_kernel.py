@@ -67,6 +67,11 @@ for vocab, dtype, with_entropy in [(3000, torch.float32, True), (9000, torch.bfl
     head_kernel.grad_logits_(got, 0.8, lse, entropy, grad_lp, g_ent, targets, block=1024)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert torch.allclose(got.double(), want, rtol=tol, atol=tol * 1e-2), (vocab, dtype, (got.double() - want).abs().max())
+# Gradients as autograd hands them in: a sum()'s backward is a stride-0 view of one element.
+expanded, dense = logits.clone(), logits.clone()
+head_kernel.grad_logits_(expanded, 0.8, lse, None, torch.ones(()).expand(n), None, targets.expand(n), block=1024)
+head_kernel.grad_logits_(dense, 0.8, lse, None, torch.ones(n), None, targets, block=1024)
+assert torch.equal(expanded, dense), (expanded - dense).abs().max()
 print("ok")
 """
 

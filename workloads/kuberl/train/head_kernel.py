@@ -70,6 +70,7 @@ def row_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temp: float, with
         return
     if logits.stride(1) != 1:
         raise ValueError("row_stats needs each row of logits contiguous")
+    targets = targets.contiguous()  # the kernel reads element ``row``
     args = (logits, logits.stride(0), targets, out_lp, out_lse, out_ent if with_entropy else out_lse,
             vocab, float(inv_temp))
     if block is None:
@@ -78,7 +79,9 @@ def row_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temp: float, with
         _row_stats.fn[(n,)](*args, WITH_ENTROPY=with_entropy, BLOCK=block, num_warps=num_warps)
 
 
-@triton.autotune(configs=_CONFIGS, key=["vocab", "WITH_ENTROPY"])
+# In place: the autotuner's timing runs would each read the previous run's gradients as logits, so
+# it restores the logits before each (else the first call per width returns a wrong gradient).
+@triton.autotune(configs=_CONFIGS, key=["vocab", "WITH_ENTROPY"], restore_value=["logits"])
 @triton.jit
 def _grad_logits(logits, row_stride, targets, lse, entropy, grad_lp, grad_ent, vocab, inv_temp,
                  WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
@@ -120,6 +123,11 @@ def grad_logits_(logits: torch.Tensor, inv_temp: float, lse: torch.Tensor, entro
     if logits.stride(1) != 1:
         raise ValueError("grad_logits_ needs each row of logits contiguous")
     with_entropy = entropy is not None and grad_ent is not None
+    # The kernel reads element ``row`` of each: autograd hands in expanded gradients (a ``sum()``'s
+    # backward is a stride-0 view of one element), which are materialised here.
+    targets, lse, grad_lp = targets.contiguous(), lse.contiguous(), grad_lp.contiguous()
+    if with_entropy:
+        entropy, grad_ent = entropy.contiguous(), grad_ent.contiguous()
     args = (logits, logits.stride(0), targets, lse, entropy if with_entropy else lse, grad_lp,
             grad_ent if with_entropy else grad_lp, vocab, float(inv_temp))
     if block is None:
