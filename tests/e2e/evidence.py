@@ -9,13 +9,18 @@ earlier run stays), so the log of a pod deleted a second after the failure is wh
 failures, kills, scheduling), the pods' descriptions, and while the head is up Ray's own view
 (``ray status``: pending resource demands; ``ray list actors``: an engine waiting or dead).
 The driver's log is the RayJob submitter pod's (``ray job submit`` follows the job's output, and
-Ray forwards every actor's stdout and stderr to it, the engines' included).
+Ray forwards every actor's stdout and stderr to it, the engines' included). When KubeRay deletes a
+whole Ray cluster (a Kueue preemption, a suspend) it deletes the submitter first, and the driver
+runs on while the head's preStop hook holds the head: so from the moment a head pod is going,
+the driver's own log file on it is copied too (``<head pod>.driver.log``), until the pod is gone.
 """
 
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 from tests.harness.harness import Cluster
@@ -25,6 +30,8 @@ log = logging.getLogger(__name__)
 SUBMITTER_LABEL = "batch.kubernetes.io/job-name"  # KubeRay's submitter Job's pods carry it
 POLL_SECONDS = 2.0
 TAIL_LINES = 120  # of the driver's log, in a failure's report
+HEAD_SELECTOR = ("ray.io/node-type", "head")  # KubeRay's label on head pods
+DRIVER_LOG_ON_HEAD = "/tmp/ray/session_latest/logs/job-driver-*.log"  # Ray's file of a job's driver output
 
 
 class PodLogs:
@@ -41,6 +48,7 @@ class PodLogs:
         self._core = client.CoreV1Api(cluster.api_client())
         self._followed: set[tuple[str, str, int]] = set()  # (pod uid, container, restart count)
         self._drivers: list[tuple[str, Path]] = []  # (submitter Job, its pod's log file), as they started
+        self._heads_going: set[str] = set()  # uids of going head pods whose driver log is copied
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="e2e-pod-logs", daemon=True)
 
@@ -62,8 +70,33 @@ class PodLogs:
             for pod in pods:
                 try:
                     self._follow_new_containers(pod)
+                    self._copy_driver_log_if_going(pod)
                 except Exception as exc:  # never let one odd pod end the evidence of all the others
                     log.warning("following the logs of pod %s: %s", pod.metadata.name, exc)
+
+    def _copy_driver_log_if_going(self, pod) -> None:
+        key, value = HEAD_SELECTOR
+        if (pod.metadata.labels or {}).get(key) != value or pod.metadata.deletion_timestamp is None \
+                or pod.metadata.uid in self._heads_going:
+            return
+        self._heads_going.add(pod.metadata.uid)
+        threading.Thread(target=self._copy_driver_log, args=(pod.metadata.name,),
+                         name=f"e2e-driver-{pod.metadata.name}", daemon=True).start()
+
+    def _copy_driver_log(self, pod: str) -> None:
+        """Copies the driver's log file from going head pod ``pod`` every POLL_SECONDS while it
+        can; the last copy is the whole log but what its last seconds wrote."""
+        path = self.directory / f"{pod}.driver.log"
+        while not self._stop.is_set():
+            try:
+                copied = self.cluster.kubectl("exec", pod, "-n", self.namespace, "--", "bash", "-c",
+                                              f"cat {DRIVER_LOG_ON_HEAD}", check=False, timeout=30)
+            except subprocess.TimeoutExpired:  # a busy node: the pod may still be there
+                continue
+            if copied.returncode != 0:
+                return
+            path.write_text(copied.stdout)
+            time.sleep(POLL_SECONDS)
 
     def _follow_new_containers(self, pod) -> None:
         statuses = [*(pod.status.init_container_statuses or []), *(pod.status.container_statuses or [])]

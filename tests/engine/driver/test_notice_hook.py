@@ -84,6 +84,33 @@ def test_the_heads_hook_says_it_is_the_head_and_waits_for_the_commit(board):
         (stdout, stderr[-2000:])
 
 
+def test_a_head_whose_name_no_longer_resolves_is_reached_by_this_pods_connection_to_it(board, tmp_path):
+    """KubeRay deletes the head's Service, the name the worker pods joined the head by, with the
+    RayCluster (a Kueue preemption, a suspend) while the pods wait in their hooks: the trainer's
+    hook finds the GCS by the connection this pod's Ray node still holds to it, gives notice as
+    the head would (the head is going too: no step may begin after the commit) and waits for
+    the commit; what it did also goes to ``--log`` (in a pod, the container's own log)."""
+    import ray
+
+    port = ray.get_runtime_context().gcs_address.rsplit(":", 1)[1]
+    log = tmp_path / "container.log"
+    proc = start_hook(f"kuberl-gone-head-svc.invalid:{port}", "--log", str(log))
+    try:
+        deadline = time.monotonic() + WAIT_SECONDS / 2
+        while not (going := board.take(0))[0]:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.5)
+        assert going == ([os.environ.get("HOSTNAME", "this pod")], True)
+        board.committed(1)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "checkpoint step 1 (the step in flight at the notice) is committed" in stdout, \
+        (stdout, stderr[-2000:])
+    said = log.read_text()
+    assert "is committed" in said and said.strip() in stdout, (said, stdout)
+
+
 def test_while_the_trainer_group_is_recovered_the_hook_lets_the_pod_go_at_once(board):
     """Nothing more can be checkpointed then (the group that would save it is gone): the
     recovery, or the next attempt, restores the newest checkpoint either way."""
