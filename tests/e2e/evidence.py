@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 SUBMITTER_LABEL = "batch.kubernetes.io/job-name"  # KubeRay's submitter Job's pods carry it
 POLL_SECONDS = 2.0
 TAIL_LINES = 120  # of the driver's log, in a failure's report
+FOLLOW_TRIES = 5  # opening a container's log stream, each POLL_SECONDS after the last dropped
 HEAD_SELECTOR = ("ray.io/node-type", "head")  # KubeRay's label on head pods
 DRIVER_LOG_ON_HEAD = "/tmp/ray/session_latest/logs/job-driver-*.log"  # Ray's file of a job's driver output
 
@@ -113,18 +114,30 @@ class PodLogs:
                              name=f"e2e-log-{path.name}", daemon=True).start()
 
     def _follow(self, pod: str, container: str, path: Path) -> None:
+        """Appends the container's log to ``path`` as it is written. A stream that drops while the
+        container runs (seen in pods: a trainer's, a minute before its pod went) is opened again and read
+        past what is here already; one that cannot be, the pod gone, ends with a line saying so."""
         from kubernetes import client, config
 
         core = client.CoreV1Api(config.new_client_from_config(config_file=str(self.cluster.kubeconfig)))
+        written = 0
         with path.open("ab") as out:
-            try:
-                stream = core.read_namespaced_pod_log(pod, self.namespace, container=container, follow=True,
-                                                      _preload_content=False)
-                for chunk in stream.stream(4096):
-                    out.write(chunk)
-                    out.flush()
-            except Exception as exc:  # the pod went mid-stream: what came before is kept
-                out.write(f"\n[e2e evidence: the log stream ended: {type(exc).__name__}: {exc}]\n".encode())
+            for _ in range(FOLLOW_TRIES):
+                try:
+                    stream = core.read_namespaced_pod_log(pod, self.namespace, container=container, follow=True,
+                                                          _preload_content=False)
+                    skip = written
+                    for chunk in stream.stream(4096):
+                        cut = min(skip, len(chunk))
+                        chunk, skip = chunk[cut:], skip - cut
+                        out.write(chunk)
+                        out.flush()
+                        written += len(chunk)
+                    return  # the container ended: its whole log is here
+                except Exception as exc:  # a dropped stream, or the pod went: what came before is kept
+                    error = exc
+                    time.sleep(POLL_SECONDS)
+            out.write(f"\n[e2e evidence: the log stream ended: {type(error).__name__}: {error}]\n".encode())
 
     def driver_logs(self, job: str) -> list[Path]:
         """The log files of the drivers of ``job``'s attempts (its RayJobs' submitter pods)."""
