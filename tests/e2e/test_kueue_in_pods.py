@@ -11,9 +11,10 @@ five starts in two scenarios):
    with every step.
 
 The checkpoint-first part is asserted from evidence: B's checkpoints are due only at its last step,
-so a checkpoint newer than the step B was at when H came is the notice's; the step B's first
-attempt reported last is that checkpoint's (no step past the commit); the resumed attempt's driver
-restored that step and its first step is the next one (0 steps run again).
+so a checkpoint newer than the step B was at when H came is the notice's; the head's and trainer's
+hooks each wrote a line to their pod's log, and one of them saw that checkpoint committed; the
+step B's first attempt reported last is that checkpoint's (no step past the commit); the resumed
+attempt's driver restored that step and its first step is the next one (0 steps run again).
 
 Opt-in (`KUBERL_E2E_KUEUE=1`): Kueue's cold build (about 7 min of CPU) and four job starts do not
 fit CI's budget yet (docs/development.md, docs/benchmarks.md "Kueue in pods"):
