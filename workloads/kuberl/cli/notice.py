@@ -41,7 +41,11 @@ from collections import Counter
 
 from kuberl.api.contract import NOTICE_ACTOR, RAY_NAMESPACE
 
-POLL_SECONDS = 0.5
+# Asking the board whether the commit came: one small actor call. Often, since the hooks of a
+# whole cluster race: the head's, released, lets the head go and the board goes with it, and a hook
+# that asks only after that cannot tell its commit came (in pods, polling every 0.5 s, the
+# trainer's hook found the board gone after the commit and said the driver ended before it).
+POLL_SECONDS = 0.1
 # Joining Ray and finding the board: seconds, even on a busy node; longer means a head in trouble.
 CONNECT_SECONDS = 45
 GCS_PROBE_SECONDS = 3
