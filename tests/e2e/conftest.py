@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kuberl.api.contract import JOB_LABEL
 from kuberl.common.ports import unclaimed_port
 
-from tests.e2e.evidence import PodLogs
+from tests.e2e.evidence import SUBMITTER_LABEL, PodLogs
 from tests.harness.harness import REPO_ROOT, Cluster
 from tests.harness.helpers import get_json, wait_for
 from tests.harness.images import public_name
@@ -72,6 +73,24 @@ class Product:
             return wait_for(f"job {name}: {what}", probe, self.cluster, timeout=timeout, interval=interval)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{self.describe(name)}") from None
+
+    def clear_jobs(self, timeout: float = 120) -> None:
+        """Deletes every job in the namespace and all it runs, relying on no finalizer (the
+        operator's, KubeRay's StopJob's) and no grace period: what a failed test left running
+        goes, so that it does not starve the next test of the nodes' CPUs."""
+        for kind in ("rltj", "rayjobs.ray.io", "rayclusters.ray.io"):
+            for obj in get_json(self.cluster, kind, "-n", NAMESPACE)["items"]:
+                self.kubectl("patch", kind, obj["metadata"]["name"], "-n", NAMESPACE, "--type=merge",
+                             "-p", '{"metadata":{"finalizers":null}}', check=False)
+            self.kubectl("delete", kind, "--all", "-n", NAMESPACE, "--wait=false", check=False)
+        self.kubectl("delete", "jobs.batch", "--all", "-n", NAMESPACE, "--wait=false", check=False)
+        selectors = (JOB_LABEL, SUBMITTER_LABEL)  # the jobs' pods, and KubeRay's submitter pods
+        for selector in selectors:
+            self.kubectl("delete", "pods", "-n", NAMESPACE, "-l", selector, "--grace-period=0", "--force",
+                         "--wait=false", check=False)
+        wait_for("the jobs' pods to go",
+                 lambda: not any(get_json(self.cluster, "pods", "-n", NAMESPACE, "-l", s)["items"] for s in selectors),
+                 self.cluster, timeout=timeout, interval=2)
 
     def describe(self, name: str) -> str:
         """What a person would look at when a job is stuck: its status, pods, and the logs that exist."""
@@ -169,9 +188,11 @@ def product(real_cluster, tmp_path_factory):
     assert pod["spec"]["containers"][0]["image"] == public_name("operator")
     assert pod["spec"]["nodeName"].startswith("real-node-")
     evidence = PodLogs(cluster, NAMESPACE, tmp_path_factory.mktemp("evidence")).start()
-    yield Product(cluster, host_env, url, tiny, evidence)
+    product = Product(cluster, host_env, url, tiny, evidence)
+    yield product
     # Whatever a failed test left running goes, so that later tests on this cluster get its CPUs.
     cluster.kubectl("delete", "rltj", "--all", "-n", NAMESPACE, "--wait=true", "--timeout=180s", check=False)
+    product.clear_jobs()  # and what a stuck finalizer kept
     # The operator's log belongs with the cluster's when a test failed.
     log = cluster.kubectl("logs", pod["metadata"]["name"], "-n", OPERATOR_NAMESPACE, check=False).stdout
     (cluster.log_dir / "kuberl-operator-pod.log").write_text(log)

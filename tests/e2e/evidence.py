@@ -9,13 +9,18 @@ earlier run stays), so the log of a pod deleted a second after the failure is wh
 failures, kills, scheduling), the pods' descriptions, and while the head is up Ray's own view
 (``ray status``: pending resource demands; ``ray list actors``: an engine waiting or dead).
 The driver's log is the RayJob submitter pod's (``ray job submit`` follows the job's output, and
-Ray forwards every actor's stdout and stderr to it, the engines' included).
+Ray forwards every actor's stdout and stderr to it, the engines' included). When KubeRay deletes a
+whole Ray cluster (a Kueue preemption, a suspend) it deletes the submitter first, and the driver
+runs on while the head's preStop hook holds the head: so from the moment a head pod is going,
+the driver's own log file on it is copied too (``<head pod>.driver.log``), until the pod is gone.
 """
 
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 from tests.harness.harness import Cluster
@@ -25,6 +30,9 @@ log = logging.getLogger(__name__)
 SUBMITTER_LABEL = "batch.kubernetes.io/job-name"  # KubeRay's submitter Job's pods carry it
 POLL_SECONDS = 2.0
 TAIL_LINES = 120  # of the driver's log, in a failure's report
+FOLLOW_TRIES = 5  # opening a container's log stream, each POLL_SECONDS after the last dropped
+HEAD_SELECTOR = ("ray.io/node-type", "head")  # KubeRay's label on head pods
+DRIVER_LOG_ON_HEAD = "/tmp/ray/session_latest/logs/job-driver-*.log"  # Ray's file of a job's driver output
 
 
 class PodLogs:
@@ -41,6 +49,7 @@ class PodLogs:
         self._core = client.CoreV1Api(cluster.api_client())
         self._followed: set[tuple[str, str, int]] = set()  # (pod uid, container, restart count)
         self._drivers: list[tuple[str, Path]] = []  # (submitter Job, its pod's log file), as they started
+        self._heads_going: set[str] = set()  # uids of going head pods whose driver log is copied
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="e2e-pod-logs", daemon=True)
 
@@ -62,8 +71,33 @@ class PodLogs:
             for pod in pods:
                 try:
                     self._follow_new_containers(pod)
+                    self._copy_driver_log_if_going(pod)
                 except Exception as exc:  # never let one odd pod end the evidence of all the others
                     log.warning("following the logs of pod %s: %s", pod.metadata.name, exc)
+
+    def _copy_driver_log_if_going(self, pod) -> None:
+        key, value = HEAD_SELECTOR
+        if (pod.metadata.labels or {}).get(key) != value or pod.metadata.deletion_timestamp is None \
+                or pod.metadata.uid in self._heads_going:
+            return
+        self._heads_going.add(pod.metadata.uid)
+        threading.Thread(target=self._copy_driver_log, args=(pod.metadata.name,),
+                         name=f"e2e-driver-{pod.metadata.name}", daemon=True).start()
+
+    def _copy_driver_log(self, pod: str) -> None:
+        """Copies the driver's log file from going head pod ``pod`` every POLL_SECONDS while it
+        can; the last copy is the whole log but what its last seconds wrote."""
+        path = self.directory / f"{pod}.driver.log"
+        while not self._stop.is_set():
+            try:
+                copied = self.cluster.kubectl("exec", pod, "-n", self.namespace, "--", "bash", "-c",
+                                              f"cat {DRIVER_LOG_ON_HEAD}", check=False, timeout=30)
+            except subprocess.TimeoutExpired:  # a busy node: the pod may still be there
+                continue
+            if copied.returncode != 0:
+                return
+            path.write_text(copied.stdout)
+            time.sleep(POLL_SECONDS)
 
     def _follow_new_containers(self, pod) -> None:
         statuses = [*(pod.status.init_container_statuses or []), *(pod.status.container_statuses or [])]
@@ -80,18 +114,30 @@ class PodLogs:
                              name=f"e2e-log-{path.name}", daemon=True).start()
 
     def _follow(self, pod: str, container: str, path: Path) -> None:
+        """Appends the container's log to ``path`` as it is written. A stream that drops while the
+        container runs (seen in pods: a trainer's, a minute before its pod went) is opened again and read
+        past what is here already; one that cannot be, the pod gone, ends with a line saying so."""
         from kubernetes import client, config
 
         core = client.CoreV1Api(config.new_client_from_config(config_file=str(self.cluster.kubeconfig)))
+        written = 0
         with path.open("ab") as out:
-            try:
-                stream = core.read_namespaced_pod_log(pod, self.namespace, container=container, follow=True,
-                                                      _preload_content=False)
-                for chunk in stream.stream(4096):
-                    out.write(chunk)
-                    out.flush()
-            except Exception as exc:  # the pod went mid-stream: what came before is kept
-                out.write(f"\n[e2e evidence: the log stream ended: {type(exc).__name__}: {exc}]\n".encode())
+            for _ in range(FOLLOW_TRIES):
+                try:
+                    stream = core.read_namespaced_pod_log(pod, self.namespace, container=container, follow=True,
+                                                          _preload_content=False)
+                    skip = written
+                    for chunk in stream.stream(4096):
+                        cut = min(skip, len(chunk))
+                        chunk, skip = chunk[cut:], skip - cut
+                        out.write(chunk)
+                        out.flush()
+                        written += len(chunk)
+                    return  # the container ended: its whole log is here
+                except Exception as exc:  # a dropped stream, or the pod went: what came before is kept
+                    error = exc
+                    time.sleep(POLL_SECONDS)
+            out.write(f"\n[e2e evidence: the log stream ended: {type(error).__name__}: {error}]\n".encode())
 
     def driver_logs(self, job: str) -> list[Path]:
         """The log files of the drivers of ``job``'s attempts (its RayJobs' submitter pods)."""

@@ -64,13 +64,14 @@ def test_when_the_head_is_gone_the_hook_lets_the_pod_go_at_once():
     assert seconds < WAIT_SECONDS / 2, seconds
 
 
-def test_the_heads_hook_says_it_is_the_head_and_waits_for_the_commit(board):
-    import ray
-
-    proc = start_hook(ray.get_runtime_context().gcs_address, "--head")
+def notice_then_commit(board, address: str, *args: str) -> str:
+    """Starts a hook, waits for the board to see it at the driver's boundary after step 0 (step 1
+    in flight) as the head's notice, holds 2 s (the hook must wait on), commits step 1 and returns
+    the hook's output once it has let its pod go."""
+    proc = start_hook(address, *args)
     try:
         deadline = time.monotonic() + WAIT_SECONDS / 2
-        while not (going := board.take(0))[0]:  # the driver's boundary after step 0: step 1 in flight
+        while not (going := board.take(0))[0]:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.5)
         assert going == ([os.environ.get("HOSTNAME", "this pod")], True)
@@ -82,6 +83,28 @@ def test_the_heads_hook_says_it_is_the_head_and_waits_for_the_commit(board):
         proc.kill()
     assert proc.returncode == 0 and "checkpoint step 1 (the step in flight at the notice) is committed" in stdout, \
         (stdout, stderr[-2000:])
+    return stdout
+
+
+def test_the_heads_hook_says_it_is_the_head_and_waits_for_the_commit(board):
+    import ray
+
+    notice_then_commit(board, ray.get_runtime_context().gcs_address, "--head")
+
+
+def test_a_head_whose_name_no_longer_resolves_is_reached_by_this_pods_connection_to_it(board, tmp_path):
+    """KubeRay deletes the head's Service, the name the worker pods joined the head by, with the
+    RayCluster (a Kueue preemption, a suspend) while the pods wait in their hooks: the trainer's
+    hook finds the GCS by the connection this pod's Ray node still holds to it, gives notice as
+    the head would (the head is going too: no step may begin after the commit) and waits for
+    the commit; what it did also goes to ``--log`` (in a pod, the container's own log)."""
+    import ray
+
+    port = ray.get_runtime_context().gcs_address.rsplit(":", 1)[1]
+    log = tmp_path / "container.log"
+    stdout = notice_then_commit(board, f"kuberl-gone-head-svc.invalid:{port}", "--log", str(log))
+    said = log.read_text()
+    assert "is committed" in said and said.strip() in stdout, (said, stdout)
 
 
 def test_while_the_trainer_group_is_recovered_the_hook_lets_the_pod_go_at_once(board):

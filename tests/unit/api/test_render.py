@@ -204,8 +204,9 @@ def test_gpu_requests_groups_and_guaranteed_qos_for_numa():
 def test_head_and_trainer_pods_get_the_preemption_notice_hook_within_their_grace_period():
     """A deletion, drain or spot notice runs `kuberl preemption-notice` on the head and trainer pods
     (the driver checkpoints the step in flight), held at most the grace period less Ray's stop;
-    the head's says it is the head (the driver begins no step after its commit); rollout pods
-    have none (a lost engine costs no step)."""
+    the head's says it is the head (the driver begins no step after its commit), and each writes
+    what it did to its container's log (the kubelet keeps a hook's output only when it fails);
+    rollout pods have none (a lost engine costs no step)."""
     manifest = yaml.safe_load((REPO / "examples" / "grpo-tiny-cpu.yaml").read_text())
     manifest["spec"].setdefault("scheduling", {})["terminationGracePeriodSeconds"] = 300
     pods = _pods(_by_kind(render_manifest(manifest))["RayJob"])
@@ -213,7 +214,8 @@ def test_head_and_trainer_pods_get_the_preemption_notice_hook_within_their_grace
         (container,) = pods[role]["containers"]
         assert pods[role]["terminationGracePeriodSeconds"] == 300
         command = container["lifecycle"]["preStop"]["exec"]["command"]
-        assert command == ["kuberl", "preemption-notice", "--wait-seconds", "295", *(["--head"] if role == "head" else [])]
+        assert command == ["kuberl", "preemption-notice", "--wait-seconds", "295", "--log", "/proc/1/fd/1",
+                           *(["--head"] if role == "head" else [])]
         assert command[1] in SUBCOMMANDS  # a command the image's kuberl knows
         # Once the hook lets the pod go, Ray stops its processes at once instead of draining the
         # node for 30 s while the ranks run steps past the committed checkpoint.

@@ -78,6 +78,9 @@ NOTICE_ACTOR = "kuberl-preemption-notices"
 RAY_NAMESPACE = "kuberl"
 # The preStop hook of the head and trainer pods: `kuberl preemption-notice --wait-seconds N`.
 NOTICE_COMMAND = ["kuberl", "preemption-notice"]
+# Where the hook also writes what it did: the container's own log (its PID 1's stdout), since the
+# kubelet keeps a preStop hook's output only when the hook fails.
+NOTICE_LOG = "/proc/1/fd/1"
 # Of a pod's grace period, what the hook leaves for Ray's own stop after SIGTERM.
 NOTICE_STOP_MARGIN_SECONDS = 5
 # Ray's own drain of a node on SIGTERM (read by Ray's `ray start`; Ray 2.60 waits up to 30 s by

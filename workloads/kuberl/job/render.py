@@ -29,7 +29,7 @@ from kuberl.api import types as t
 from kuberl.api.validate import ManifestError, pod_errors, validate_manifest
 from kuberl.api.contract import (ATTEMPT_ANNOTATION, CONFIG_DIR, CONFIG_FILE, CONFIG_PATH, DATA_DIR, HEAD_ROLE,
                              JOB_LABEL, JOB_NAME_ENV, METRICS_PORT, METRICS_PORT_ENV, MODEL_DIR, NAMESPACE_ENV,
-                             NOTICE_COMMAND, NOTICE_STOP_MARGIN_SECONDS, RAY_DRAIN_ENV,
+                             NOTICE_COMMAND, NOTICE_LOG, NOTICE_STOP_MARGIN_SECONDS, RAY_DRAIN_ENV,
                              PEER_NAMESPACE_LABEL, PLAN_FILE, PVC_ROOT, PVC_ROOT_ENV, RAY_DASHBOARD_PORT,
                              RAY_METRICS_PORT, REWARD_CODE_DIR, AGENT_CODE_DIR, ROLE_ENV, ROLLOUT_GROUP, RUN_AS_USER, STAGE_DIR, TRAINER_GROUP,
                              VALIDATION_DATA_DIR, config_map_name, labels, network_policy_name, ray_job_name,
@@ -324,7 +324,7 @@ def _notice_hook(grace_seconds: int, head: bool) -> dict[str, Any]:
     pods have none: a lost engine costs no step (its prompts go to the others), so a checkpoint
     would only slow the run."""
     wait = grace_seconds - NOTICE_STOP_MARGIN_SECONDS
-    return {"preStop": {"exec": {"command": [*NOTICE_COMMAND, "--wait-seconds", str(wait),
+    return {"preStop": {"exec": {"command": [*NOTICE_COMMAND, "--wait-seconds", str(wait), "--log", NOTICE_LOG,
                                              *(["--head"] if head else [])]}}}
 
 
