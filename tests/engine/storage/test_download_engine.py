@@ -220,6 +220,9 @@ def test_server_gone_after_listing_is_retried_then_reported(s3, s3_env, tmp_path
     fs.pipe_file(f"{bucket}/m/a.bin", b"a" * 100)
     uri = f"s3://{bucket}/m"
     parsed = parse(uri)
+    # kuberl's own retries are under test, not botocore's: its client would try each request 5
+    # times with backoff first (about 8 s per attempt of ours against a closed port).
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     s3fs_ = filesystem(parsed)
     files = list_source(s3fs_, parsed, f"{bucket}/m", uri)
     with socket.create_server(("127.0.0.1", 0)) as probe:
