@@ -36,6 +36,8 @@ OPERATOR_NAMESPACE = "kuberl-system"
 EXAMPLE = REPO_ROOT / "examples" / "grpo-tiny-s3.yaml"
 S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 TIMINGS: dict[str, str] = {}
+# The images the product runs, imported into every node (tests/e2e/images loads them the same way).
+PRODUCT_IMAGES = ("operator", "worker-cpu")
 
 
 @dataclass
@@ -167,7 +169,7 @@ def product(real_cluster, tmp_path_factory):
     import boto3
 
     cluster = real_cluster
-    cluster.load_images(("operator", "worker-cpu"))
+    cluster.load_images(PRODUCT_IMAGES)
     port = unclaimed_port()
     url = cluster.serve_in_network("s3", [sys.executable, "-m", "moto.server", "-H", "0.0.0.0", "-p", str(port)],
                                    port, NAMESPACE)

@@ -1,25 +1,27 @@
 """The rollout pool in real pods, on examples/grpo-tiny-s3.yaml with one trainer pod (to leave
-the machine room for a second rollout pod).
+the machine room for a second rollout pod). One job runs both scenarios in turn (a job's start in
+pods costs a minute or more of CI, and each scenario needs a second rollout pod anyway):
 
 A live resize: patched to rollout.replicas 2 after its first step, KubeRay starts a second rollout
-pod and its engine joins at a step boundary with the current weights; patched back to 1, the
-scale-down retires that engine, the driver names the pod of the engine left in status.rollout and
-the operator has KubeRay delete the other pod, so the first engine serves on. No step fails, no
-restart, and training goes on past the scale-down.
+pod and its engine joins at a step boundary with the current weights.
 
-A rollout pod killed (`--force`) mid-generation, in a job with two from the start: the driver
-re-sends the lost engine's prompts to the other engine, the job never leaves Running, its step
-counter never goes back, nothing is restored, the engine started for KubeRay's replacement pod
-joins and serves, and the reward still rises. The kill waits for the driver to show `generate`
-in status.progress.activity (shown once a phase has lasted 2 s), and that job's generation is
-made long enough for the kill to land in it: its engines run one sequence at a time
+That second rollout pod then killed (`--force`) mid-generation: the driver re-sends the lost
+engine's prompts to the other engine, the job never leaves Running, its step counter never goes
+back, nothing is restored, the engine started for KubeRay's replacement pod joins and serves, and
+the reward still rises. The kill waits for the driver to show `generate` in
+status.progress.activity (shown once a phase has lasted 2 s), then for its next step line, and
+the job's generation is made long enough for the kill to land in the one that follows: its engines run one sequence at a time
 (engineArgs.maxNumSeqs 1), so a step generates for several seconds where it would take a fraction
 of one. With steps that long the job learns faster (learningRate 3e-3, the embedded tiny job's),
 so the reward rises within the few steps before the replacement joins. Without the wait, a kill
 just after a step landed in the next weight sync each time (the driver's next phase then).
 
-Both jobs are deleted at the end (they are long enough never to finish first, however fast their
-steps and however slow a new pod's start).
+Patched back to 1: the scale-down retires the newest engine (the replacement's), the driver names
+the pod of the engine left in status.rollout and the operator has KubeRay delete the other pod, so
+the first engine serves on. No step fails, no restart, and training goes on past the scale-down.
+
+The job is deleted at the end (it is long enough never to finish first, however fast its steps
+and however slow a new pod's start).
 
 A new engine's start here is CPU: the new pod's `ray start`, then three Python processes that each
 import torch and vLLM (the engine actor, vLLM's EngineCore and its worker). With the machine's 2
@@ -44,10 +46,12 @@ from tests.e2e.conftest import NAMESPACE, example, record_timing
 pytestmark = [pytest.mark.cluster, pytest.mark.real_nodes, pytest.mark.slow]
 
 JOB = "resize"
-# More steps (about 1 s each here) than the test can wait for: the job runs while the second
-# rollout pod starts, stages the model, joins Ray and starts its engine (2-5 min here), and after.
+# More steps (seconds each here: maxNumSeqs 1) than the test can wait for: the job runs while the
+# second rollout pod and the replacement start, stage the model, join Ray and start their engines
+# (2-5 min each here), and after.
 STEPS = 100_000
-STEPS_AFTER_SCALE_DOWN = 5
+# Steps on one engine after the scale-down (each generates the whole batch one sequence at a time).
+STEPS_AFTER_SCALE_DOWN = 3
 TIMEOUT_S = 480
 JOIN_TIMEOUT_S = 1500  # a new engine's start, while it advances (Starting): 391 s and 781 s measured
 STALL_S = 480  # twice the longest silence of a start that went on: 243 s (vLLM's worker importing)
@@ -73,6 +77,17 @@ def step(status: dict) -> int:
 
 def activity(status: dict) -> str | None:
     return (status.get("progress") or {}).get("activity")
+
+
+def newest_step_line(product, job: str) -> int:
+    """The newest step the driver has logged (its log streams in: tests/e2e/evidence.py), 0 before
+    the first: ahead of status, which the driver patches at its report interval."""
+    newest = 0
+    for path in product.evidence.driver_logs(job):
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - 65536))  # a step line every few seconds: the tail holds it
+            newest = max([newest, *(n for n, _ in logged_steps(f.read().decode(errors="replace")))])
+    return newest
 
 
 def logged_steps(log: str) -> list[tuple[int, dict[str, float]]]:
@@ -149,14 +164,16 @@ def slow_generation(manifest: dict) -> dict:
     return manifest
 
 
-# pytest-timeout counts fixture setup: run alone, this test also sets up the cluster (about 5 min).
-@pytest.mark.timeout(3000)
-def test_rollout_replicas_1_2_1_while_training_engines_join_and_leave_and_no_step_fails(product):
-    product.apply(long_job(JOB, 1))
-    product.wait_status(JOB, "its first step", lambda s: step(s) >= 1, TIMEOUT_S)
+# pytest-timeout counts fixture setup: run alone, this test also sets up the cluster (about 5 min);
+# two new pods' starts, each waited for up to JOIN_TIMEOUT_S.
+@pytest.mark.timeout(4200)
+def test_rollout_pool_1_2_1_with_a_pod_killed_mid_generation_costs_no_step_and_its_replacement_serves(product):
+    product.apply(slow_generation(long_job(JOB, 1)))
+    product.wait_status(JOB, "its first step", lambda s: step(s) >= 1, JOIN_TIMEOUT_S)
     running = Running(product, JOB)
     [first] = rollout_pods(product, JOB)
 
+    # 1 -> 2: a second rollout pod, whose engine joins at a step boundary.
     patch = ["patch", "rltj", JOB, "-n", NAMESPACE, "--type=merge", "-p"]
     product.kubectl(*patch, '{"spec":{"rollout":{"replicas":2}}}')
     patched = time.monotonic()
@@ -166,47 +183,28 @@ def test_rollout_replicas_1_2_1_while_training_engines_join_and_leave_and_no_ste
     assert (status["rollout"]["replicas"], status["rollout"]["enginePods"]) == (2, [first]), status
     joined_at = step(status)
 
-    product.kubectl(*patch, '{"spec":{"rollout":{"replicas":1}}}')
-    patched = time.monotonic()
-    status = running.wait("the scale-down applied", lambda s: recoveries(s, "resize") >= 2)
-    assert (status["rollout"]["replicas"], status["rollout"]["enginePods"]) == (1, [first]), status
-    wait_for("the second rollout pod to go", lambda: rollout_pods(product, JOB) == [first], product.cluster,
-             timeout=120, interval=1)
-    record_timing("rollout 2 -> 1: patch -> the second pod gone", f"{time.monotonic() - patched:.0f} s")
+    # The second pod killed early in a generation on both engines: once status shows the driver
+    # generating after the join, at the driver's next step line (a step's generation comes first,
+    # its weight sync last), so the generation that follows has all its seconds to be cut short.
+    # Killed as status showed `generate` (2 s into it, then kubectl's poll), the kubelet's stop and
+    # Ray's report of the dead actor (5-6 s at load 110-130) let that generation end first: the
+    # engine was lost in the weight sync after it (2026-11-26 21:01 UTC).
+    running.wait("the driver generating on both engines",
+                 lambda s: step(s) >= joined_at and activity(s) == "generate", interval=0.2)
+    pods = rollout_pods(product, JOB)
+    [victim] = [p for p in pods if p != first]
+    shown = newest_step_line(product, JOB)
 
-    scaled_down_at = step(status)
-    status = running.wait(f"{STEPS_AFTER_SCALE_DOWN} steps on one engine again, both resizes posted",
-                          lambda s: step(s) >= scaled_down_at + STEPS_AFTER_SCALE_DOWN
-                          and (s.get("recoveryEvents") or {}).get("resize") == 2)
-    assert step(status) > joined_at
-    assert "engineLost" not in (status.get("recoveries") or {}), status
-    assert {"Resizing", "Resized"} <= event_reasons(product, JOB)
-    product.kubectl("delete", "rltj", JOB, "-n", NAMESPACE, "--wait=true", "--timeout=120s")
+    def next_step_line() -> int | None:
+        newest = newest_step_line(product, JOB)
+        return newest if newest > shown else None
 
-
-def event_reasons(product, job: str) -> set[str]:
-    events = get_json(product.cluster, "events", "-n", NAMESPACE, "--field-selector",
-                      f"involvedObject.name={job},involvedObject.kind=RLTrainingJob")["items"]
-    return {e["reason"] for e in events}
-
-
-@pytest.mark.timeout(3000)
-def test_a_rollout_pod_killed_mid_generation_costs_no_step_and_its_replacement_serves(product):
-    job = "rollout-kill"
-    product.apply(slow_generation(long_job(job, 2)))
-    product.wait_status(job, "its first step", lambda s: step(s) >= 1, JOIN_TIMEOUT_S)
-    running = Running(product, job)
-
-    # A pod killed while the driver generates (a step after the first: its reward is the baseline's).
-    generating = running.wait("the driver generating", lambda s: step(s) >= 1 and activity(s) == "generate",
-                              interval=0.2)
-    pods = rollout_pods(product, job)
-    victim = pods[-1]
+    killed_at = wait_for("the driver's next step line", next_step_line, product.cluster, timeout=TIMEOUT_S, interval=0.1)
     product.kubectl("delete", "pod", victim, "-n", NAMESPACE, "--grace-period=0", "--force", "--wait=false")
-    killed, killed_at = time.monotonic(), step(generating)
-    record_timing("rollout pod killed: status showed generating after step", f"{killed_at}")
+    killed = time.monotonic()
+    record_timing("rollout pod killed: as the driver logged step", f"{killed_at}")
     status = running.wait("the lost engine's replacement joined", lambda s: recoveries(s, "engineReplaced") >= 1,
-                          JOIN_TIMEOUT_S, interval=2, starting=Starting(product, job, pods))
+                          JOIN_TIMEOUT_S, interval=2, starting=Starting(product, JOB, pods))
     record_timing("rollout pod kill -> replacement engine joined",
                   f"{time.monotonic() - killed:.0f} s (steps {killed_at + 1}-{step(status)})")
     assert recoveries(status, "engineLost") == 1, status
@@ -216,11 +214,25 @@ def test_a_rollout_pod_killed_mid_generation_costs_no_step_and_its_replacement_s
     # few of them.
     until = max(replaced_at + 3, 2 * FIRST_STEPS)
     running.wait(f"step {until}", lambda s: step(s) >= until)
-    assert {"EngineLost", "EngineReplaced"} <= event_reasons(product, job)
+
+    # 2 -> 1: the newest engine (the replacement's) retires, its pod goes, the first serves on.
+    product.kubectl(*patch, '{"spec":{"rollout":{"replicas":1}}}')
+    patched = time.monotonic()
+    status = running.wait("the scale-down applied", lambda s: recoveries(s, "resize") >= 2)
+    assert (status["rollout"]["replicas"], status["rollout"]["enginePods"]) == (1, [first]), status
+    wait_for("the second rollout pod to go", lambda: rollout_pods(product, JOB) == [first], product.cluster,
+             timeout=120, interval=1)
+    record_timing("rollout 2 -> 1: patch -> the second pod gone", f"{time.monotonic() - patched:.0f} s")
+    scaled_down_at = step(status)
+    status = running.wait(f"{STEPS_AFTER_SCALE_DOWN} steps on one engine again, both resizes posted",
+                          lambda s: step(s) >= scaled_down_at + STEPS_AFTER_SCALE_DOWN
+                          and (s.get("recoveryEvents") or {}).get("resize") == 2)
+    assert recoveries(status, "engineLost") == 1, status
+    assert {"Resizing", "Resized", "EngineLost", "EngineReplaced"} <= event_reasons(product, JOB)
 
     # The driver's own account: the lost engine, no restore, each step once and in order, the
     # slowest step after the kill against the median, and the reward still rising.
-    [driver] = product.evidence.driver_logs(job)
+    [driver] = product.evidence.driver_logs(JOB)
     log = driver.read_text(errors="replace")
     assert re.search(r"rollout engine \d+ lost \(", log) and not RESTORED.search(log), log[-3000:]
     # Lost in the generation of the step it was killed in: its prompts went to the engine left,
@@ -229,20 +241,28 @@ def test_a_rollout_pod_killed_mid_generation_costs_no_step_and_its_replacement_s
     logged = logged_steps(log)
     assert [n for n, _ in logged] == list(range(1, len(logged) + 1)), "a step ran twice or went missing"
     steps = dict(logged)
-    # The loss shows in the step whose generation it cut short: the one status showed generating or
-    # a later one (status trails the driver by its report interval, and the kill, the kubelet's stop
-    # and Ray's report of the dead actor took 6 s at load 100+: the 2026-11-26 19:06 run's kill at
-    # status step 1 cost step 3 its engine).
+    # The loss shows in the step whose generation it cut short: the one after the step line the
+    # kill followed, or a later one (the kill, the kubelet's stop and Ray's report of the dead actor
+    # took 6 s at load 100+: the 2026-11-26 19:06 run's kill at status step 1 cost step 3 its engine).
     lost_in = [s for s, m in steps.items() if m["engines_lost"]]
     assert len(lost_in) == 1 and lost_in[0] > killed_at and steps[lost_in[0]]["engines_lost"] == 1, lost_in
     record_timing("rollout engine lost in the generation of step", f"{lost_in[0]}")
-    assert steps[max(steps)]["engines_live"] == 2, steps[max(steps)]
+    # Two engines served between the replacement's join and the scale-down, one after it.
+    assert steps[until]["engines_live"] == 2, steps[until]
+    assert steps[max(steps)]["engines_live"] == 1, steps[max(steps)]
     seconds = {s: m["step_seconds"] for s, m in steps.items() if s > 1}
-    slowest = max((s for s in seconds if s > killed_at), key=seconds.get)
-    record_timing("slowest step after the rollout pod kill / median step",
-                  f"{seconds[slowest]:.2f} s (step {slowest}) / {statistics.median(seconds.values()):.2f} s")
+    slowest = max((s for s in seconds if killed_at < s <= until), key=seconds.get)
+    two_engines = [seconds[s] for s in seconds if s <= scaled_down_at and steps[s]["engines_live"] == 2]
+    record_timing("slowest step after the rollout pod kill / median step on two engines",
+                  f"{seconds[slowest]:.2f} s (step {slowest}) / {statistics.median(two_engines):.2f} s")
     baseline = statistics.mean(steps[s]["reward_mean"] for s in range(1, FIRST_STEPS + 1))
     after = statistics.mean(m["reward_mean"] for s, m in steps.items() if s > killed_at)
     record_timing("reward: first 10 steps -> steps after the kill (mean)", f"{baseline:.3f} -> {after:.3f}")
     assert after > baseline, (baseline, after)
-    product.kubectl("delete", "rltj", job, "-n", NAMESPACE, "--wait=true", "--timeout=120s")
+    product.kubectl("delete", "rltj", JOB, "-n", NAMESPACE, "--wait=true", "--timeout=120s")
+
+
+def event_reasons(product, job: str) -> set[str]:
+    events = get_json(product.cluster, "events", "-n", NAMESPACE, "--field-selector",
+                      f"involvedObject.name={job},involvedObject.kind=RLTrainingJob")["items"]
+    return {e["reason"] for e in events}

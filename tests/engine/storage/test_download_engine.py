@@ -71,6 +71,7 @@ class CuttingProxy:
         self.key = key.encode()
         self.cut_after = cut_after
         self.ranges: list[str | None] = []
+        self.body_bytes_before_cut: int | None = None  # of the cut response, after its headers
         self.cut = threading.Event()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
@@ -105,18 +106,29 @@ class CuttingProxy:
 
         threading.Thread(target=requests_up, daemon=True).start()
         sent = 0
+        head = b""  # the response's first bytes, until its headers' end is among them
         try:
             while data := upstream.recv(1 << 16):
+                if b"\r\n\r\n" not in head:
+                    head += data
                 if cut_this.is_set() and sent + len(data) > self.cut_after:
                     client.sendall(data[:self.cut_after - sent])
+                    self.body_bytes_before_cut = self.cut_after - (head.index(b"\r\n\r\n") + 4)
                     break
                 client.sendall(data)
                 sent += len(data)
         except OSError:
             pass
         finally:
-            client.close()
-            upstream.close()
+            # shutdown, not close alone: the request thread's recv on `client` holds the socket
+            # open, so close() alone sent no FIN and the client saw a stalled read until its
+            # 60 s read timeout instead of a drop.
+            for sock in (client, upstream):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
 
     def close(self):
         self.listener.close()
@@ -142,10 +154,13 @@ def test_connection_cut_mid_range_resumes_at_the_first_missing_byte(s3, s3_env, 
     assert (tmp_path / "dst" / "big.bin").read_bytes() == pattern(size, 2)
     assert any("transient" in r.getMessage() for r in caplog.records)
     # The whole-object GET, cut in its second MiB, resumed as the range of its chunk (0-3 MiB)
-    # from the first missing byte, not from 0; and the range 3-6 MiB (+ the growth probe byte).
+    # from the first missing byte (the first the cut kept from the client), not from 0; and the
+    # range 3-6 MiB (+ the growth probe byte).
     assert proxy.ranges[0] is None, proxy.ranges
     resumed = sorted(proxy.ranges[1:])
-    assert resumed == [f"{STREAM_BLOCK}-{(3 << 20) - 1}", f"{3 << 20}-{size}"], proxy.ranges
+    first_missing = proxy.body_bytes_before_cut
+    assert STREAM_BLOCK < first_missing < 3 << 20, first_missing
+    assert resumed == [f"{first_missing}-{(3 << 20) - 1}", f"{3 << 20}-{size}"], proxy.ranges
 
 
 def test_kill_mid_file_then_resume(s3, s3_env, tmp_path):
@@ -205,6 +220,9 @@ def test_server_gone_after_listing_is_retried_then_reported(s3, s3_env, tmp_path
     fs.pipe_file(f"{bucket}/m/a.bin", b"a" * 100)
     uri = f"s3://{bucket}/m"
     parsed = parse(uri)
+    # kuberl's own retries are under test, not botocore's: its client would try each request 5
+    # times with backoff first (about 8 s per attempt of ours against a closed port).
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     s3fs_ = filesystem(parsed)
     files = list_source(s3fs_, parsed, f"{bucket}/m", uri)
     with socket.create_server(("127.0.0.1", 0)) as probe:
