@@ -462,13 +462,16 @@ class Cluster:
         config = self.workdir / "kueue-config.yaml"
         config.write_text(yaml.safe_dump(kueue.configuration(
             self.ports["kueue-webhook"], cert_dir, self.ports["kueue-health"], self.ports["kueue-metrics"])))
-        # Served, not only Established: Kueue sets up its indexes at start and exits on a kind that
-        # discovery does not list yet.
+        # Served and discovered, not only Established: Kueue sets up its indexes at start and exits
+        # on a kind its RESTMapper does not find ("no matches for kind Workload", seen once on a
+        # loaded machine with the endpoint already served): the aggregated discovery document, which
+        # the RESTMapper reads, is updated after the endpoint.
         for crd in crds:
             group, plural = crd["spec"]["group"], crd["spec"]["names"]["plural"]
             version = next(v["name"] for v in crd["spec"]["versions"] if v.get("storage"))
-            _wait(f"{plural}.{group}/{version} served", lambda: self._api_ok(f"/apis/{group}/{version}/{plural}"), 90,
-                  self.processes)
+            _wait(f"{plural}.{group}/{version} served and discovered",
+                  lambda: self._api_ok(f"/apis/{group}/{version}/{plural}") and self._discovered(group, version, plural),
+                  90, self.processes)
         process = self._spawn("kueue", [str(binary_path("kueue")), f"--config={config}", "--zap-log-level=info"],
                               env=dict(os.environ, KUBECONFIG=str(self.kubeconfigs["kueue"])))
         if self.network:  # real nodes: Kueue is in the cluster's network namespace; its probe is forwarded
@@ -737,6 +740,21 @@ class Cluster:
         except urllib.error.HTTPError as err:
             name = obj.get("metadata", {}).get("name")
             raise ClusterError(f"creating {obj.get('kind')} {name}: HTTP {err.code}: {err.read().decode(errors='replace')}") from err
+
+    def _discovered(self, group: str, version: str, plural: str) -> bool:
+        """Whether the API server's aggregated discovery (``/apis`` as APIGroupDiscoveryList, what
+        client-go's RESTMapper reads) lists ``plural`` in ``group/version``."""
+        request = urllib.request.Request(self.server + "/apis", headers={
+            "Accept": "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList"})
+        try:
+            with urllib.request.urlopen(request, context=self._admin_tls, timeout=5) as resp:
+                groups = json.loads(resp.read()).get("items") or []
+        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+            return False
+        return any(resource.get("resource") == plural
+                   for listed in groups if listed.get("metadata", {}).get("name") == group
+                   for listed_version in listed.get("versions") or [] if listed_version.get("version") == version
+                   for resource in listed_version.get("resources") or [])
 
     def _api_ok(self, path: str) -> bool:
         try:
