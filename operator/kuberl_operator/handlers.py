@@ -306,5 +306,6 @@ def register(registry: kopf.OperatorRegistry) -> None:
         async def owned_changed(type, namespace, labels, meta, spec, status, uid, resource, memo, **kwargs):
             controller = _capture(memo, kwargs)
             entry = ENTRIES[resource.plural](meta, spec, status)
-            if controller.queue.state.entry_changed((resource.plural, uid), entry, gone=type == "DELETED"):
-                await controller.queue.trigger((namespace, labels[JOB_LABEL]))
+            key = (namespace, labels[JOB_LABEL])
+            if controller.queue.state.entry_changed(key, (resource.plural, uid), entry, gone=type == "DELETED"):
+                await controller.queue.trigger(key)

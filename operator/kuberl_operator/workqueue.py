@@ -59,8 +59,10 @@ class QueueState:
     again: set[Key] = field(default_factory=set)   # triggered while running: run once more
     due: dict[Key, float] = field(default_factory=dict)
     written: dict[Key, dict[str, Any]] = field(default_factory=dict)
-    # (kind, uid) of each owned object -> its index entry when it last triggered its job.
-    entries: dict[tuple[str, str], Any] = field(default_factory=dict)
+    # Per job, (kind, uid) of each owned object -> its index entry when it last triggered the job;
+    # kept by job so that a job's ``forget`` drops them all, a DELETED event missed in a watch gap
+    # included.
+    entries: dict[Key, dict[tuple[str, str], Any]] = field(default_factory=dict)
 
     def request(self, key: Key) -> bool:
         """A trigger for ``key``: True if the caller is to reconcile it now, False if it merged
@@ -113,16 +115,20 @@ class QueueState:
         ours, theirs = written["metadata"], event.get("metadata") or {}
         return ours.get("uid") == theirs.get("uid") and ours.get("resourceVersion") == theirs.get("resourceVersion")
 
-    def entry_changed(self, obj: tuple[str, str], entry: Any, gone: bool = False) -> bool:
-        """An owned object ``obj`` ((kind, uid)) was seen with index ``entry`` (``gone``: deleted):
-        True if its job is to reconcile, which is when the entry differs from the last one that
-        triggered (or the object went). A reconcile that failed retries on its own requeue."""
+    def entry_changed(self, key: Key, obj: tuple[str, str], entry: Any, gone: bool = False) -> bool:
+        """An owned object ``obj`` ((kind, uid)) of job ``key`` was seen with index ``entry``
+        (``gone``: deleted): True if the job is to reconcile, which is when the entry differs from
+        the last one that triggered (or the object went). A reconcile that failed retries on its
+        own requeue."""
+        seen = self.entries.setdefault(key, {})
         if gone:
-            self.entries.pop(obj, None)
+            seen.pop(obj, None)
+            if not seen:
+                del self.entries[key]
             return True
-        if obj in self.entries and self.entries[obj] == entry:
+        if obj in seen and seen[obj] == entry:
             return False
-        self.entries[obj] = entry
+        seen[obj] = entry
         return True
 
     def latest(self, key: Key, cached: dict[str, Any]) -> dict[str, Any]:
@@ -130,9 +136,10 @@ class QueueState:
         return newer(cached, self.written.get(key))
 
     def forget(self, key: Key) -> None:
-        """``key`` is gone: drop its deadline and its written copy."""
+        """``key`` is gone: drop its deadline, its written copy and its owned objects' entries."""
         self.due.pop(key, None)
         self.written.pop(key, None)
+        self.entries.pop(key, None)
 
 
 class WorkQueue:

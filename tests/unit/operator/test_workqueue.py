@@ -79,14 +79,22 @@ def test_only_the_echo_of_our_own_last_write_is_skipped():
 def test_an_owned_object_triggers_only_when_its_entry_changed_or_it_went():
     q = QueueState()
     pod = ("pods", "u1")
-    assert q.entry_changed(pod, {"phase": "Pending"})        # first seen (also after a restart)
-    assert not q.entry_changed(pod, {"phase": "Pending"})    # an update of fields not indexed
-    assert q.entry_changed(pod, {"phase": "Running"})
-    assert not q.entry_changed(pod, {"phase": "Running"})
-    assert q.entry_changed(("rayjobs", "u1"), {"phase": "Running"})  # another kind, same uid
-    assert q.entry_changed(pod, {"phase": "Running"}, gone=True)
-    assert pod not in q.entries
-    assert q.entry_changed(pod, {"phase": "Running"})        # nothing kept of a deleted one
+    assert q.entry_changed(A, pod, {"phase": "Pending"})        # first seen (also after a restart)
+    assert not q.entry_changed(A, pod, {"phase": "Pending"})    # an update of fields not indexed
+    assert q.entry_changed(A, pod, {"phase": "Running"})
+    assert not q.entry_changed(A, pod, {"phase": "Running"})
+    assert q.entry_changed(A, ("rayjobs", "u1"), {"phase": "Running"})  # another kind, same uid
+    assert q.entry_changed(A, pod, {"phase": "Running"}, gone=True)
+    assert pod not in q.entries[A]
+    assert q.entry_changed(A, pod, {"phase": "Running"})        # nothing kept of a deleted one
+
+
+def test_a_forgotten_job_keeps_no_entry_of_its_owned_objects():
+    q = QueueState()
+    q.entry_changed(A, ("pods", "u1"), {"phase": "Running"})    # its DELETED event never comes
+    q.entry_changed(A, ("rayjobs", "u2"), {"phase": "Running"})
+    q.forget(A)
+    assert A not in q.entries
 
 
 @pytest.mark.parametrize("cached, written", [
