@@ -164,10 +164,11 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
                 from kuberl.train import head_kernel
 
                 head_kernel.grad_logits_(kept, inv_temp, lse, entropy, grad_lp, grad_ent, targets)
-                return kept @ weight, kept.t() @ hidden, None, None, None, None, None
-            for lo in range(0, vocab, width):
-                logits = kept[:, lo:min(vocab, lo + width)]
-                _fused(_chunk_grad_logits_into, logits)(logits, inv_temp, lse, entropy, grad_lp, grad_ent, targets - lo)
+            else:
+                for lo in range(0, vocab, width):
+                    logits = kept[:, lo:min(vocab, lo + width)]
+                    _fused(_chunk_grad_logits_into, logits)(logits, inv_temp, lse, entropy, grad_lp, grad_ent,
+                                                            targets - lo)
             return kept @ weight, kept.t() @ hidden, None, None, None, None, None
         grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
         grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device)

@@ -216,8 +216,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, options: ModelOptions, *, tr
                 # 0.636 s) and 1.15x at every 4th (two calls on H200s, docs/benchmarks.md); why
                 # is not known yet.
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-                for layer in layers:
-                    layer.gradient_checkpointing = any(layer is c for c in checkpointed)
+                for i, layer in enumerate(layers):
+                    layer.gradient_checkpointing = i % options.checkpoint_every == 0
             else:
                 for layer in checkpointed:
                     layer.forward = checkpoint_whole(layer.forward)
