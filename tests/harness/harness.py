@@ -723,9 +723,10 @@ class Cluster:
 
     # -- readiness helpers --------------------------------------------------------
 
-    def _api_get(self, path: str) -> dict | None:
+    def _api_get(self, path: str, accept: str = "application/json") -> dict | None:
+        request = urllib.request.Request(self.server + path, headers={"Accept": accept})
         try:
-            with urllib.request.urlopen(self.server + path, context=self._admin_tls, timeout=5) as resp:
+            with urllib.request.urlopen(request, context=self._admin_tls, timeout=5) as resp:
                 return json.loads(resp.read())
         except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
             return None
@@ -744,13 +745,8 @@ class Cluster:
     def _discovered(self, group: str, version: str, plural: str) -> bool:
         """Whether the API server's aggregated discovery (``/apis`` as APIGroupDiscoveryList, what
         client-go's RESTMapper reads) lists ``plural`` in ``group/version``."""
-        request = urllib.request.Request(self.server + "/apis", headers={
-            "Accept": "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList"})
-        try:
-            with urllib.request.urlopen(request, context=self._admin_tls, timeout=5) as resp:
-                groups = json.loads(resp.read()).get("items") or []
-        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
-            return False
+        discovery = self._api_get("/apis", accept="application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList")
+        groups = (discovery or {}).get("items") or []
         return any(resource.get("resource") == plural
                    for listed in groups if listed.get("metadata", {}).get("name") == group
                    for listed_version in listed.get("versions") or [] if listed_version.get("version") == version
