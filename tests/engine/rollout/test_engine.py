@@ -62,6 +62,41 @@ def test_sleep_is_a_reported_no_op_on_cpu(pool):
     assert ray.get(pool.engines[0].wake_up.remote()) is False
 
 
+def test_a_cpu_engines_worker_is_forked_from_the_engine_core_not_spawned(pool):
+    """kuberl.rollout.cpu_executor: the worker shares the engine core's imports. A forked process
+    keeps its parent's initial environment block (/proc/PID/environ), where a spawned one gets the
+    environment of the moment it was started: the engine core's (spawned from the Ray actor)
+    holds VLLM_WORKER_MULTIPROC_METHOD=spawn, which the executor changes to fork before the
+    workers start."""
+    import os
+
+    import psutil
+    import ray
+
+    actor_pid = ray.get(pool.engines[0].__ray_call__.remote(lambda _engine: os.getpid()))
+    processes = psutil.Process(actor_pid).children(recursive=True)
+    (core,) = [p for p in processes if p.name().startswith("VLLM::EngineCore")]
+    workers = [p for p in processes if p.name().startswith("VLLM::Worker")]
+    assert workers and all(w.ppid() == core.pid for w in workers), processes
+
+    def environ(process) -> bytes:
+        with open(f"/proc/{process.pid}/environ", "rb") as f:
+            return f.read()
+
+    assert b"VLLM_WORKER_MULTIPROC_METHOD=spawn" in environ(core).split(b"\0")
+    assert all(environ(w) == environ(core) for w in workers)
+
+
+def test_vllm_forks_workers_where_the_executor_asks_outside_a_ray_actor_without_cuda(monkeypatch):
+    """What kuberl.rollout.cpu_executor relies on in vLLM: ``get_mp_context`` reads the start
+    method when a worker starts, and the engine core process (no Ray actor, no CUDA on CPU) is not
+    forced to spawn. Fails if vLLM changes either."""
+    from vllm.utils.system_utils import get_mp_context
+
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    assert get_mp_context().get_start_method() == "fork"
+
+
 def test_missing_model_is_a_clear_error_before_vllm_starts(spec):
     from kuberl.job.plan import Paths
     from kuberl.rollout.engine import RolloutEngine

@@ -17,6 +17,23 @@ def test_cpu_engines_prefill_whole_prompts_because_seeded_requests_cannot_be_chu
     assert args["enforce_eager"] is True
 
 
+def test_cpu_engines_fork_their_workers_and_gpu_engines_keep_vllms_executor(tmp_path):
+    """On CPU the workers are forked from vLLM's engine core (one import of torch and vLLM fewer
+    per engine start; tests/engine/rollout/test_engine.py checks the processes); on a GPU vLLM
+    chooses."""
+    import importlib.util
+
+    from kuberl.driver.__main__ import embedded_job
+    from kuberl.rollout.engine import CPU_EXECUTOR, engine_kwargs
+
+    spec = embedded_job(tmp_path / "tiny").spec
+    assert engine_kwargs(spec, "m", "tiny", engine_index=0, on_cpu=True)["distributed_executor_backend"] == CPU_EXECUTOR
+    assert "distributed_executor_backend" not in engine_kwargs(spec, "m", "tiny", engine_index=0, on_cpu=False)
+    module, _, name = CPU_EXECUTOR.rpartition(".")
+    assert importlib.util.find_spec(module) is not None, CPU_EXECUTOR
+    assert f"class {name}(" in open(importlib.util.find_spec(module).origin).read()
+
+
 def test_the_token_budget_is_the_engines_context_and_each_responses_share(tmp_path):
     from kuberl.api.types import RolloutSpec
     from kuberl.driver.__main__ import embedded_job
