@@ -126,11 +126,21 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
         validation_path = (stack.enter_context(resolve(plan.paths.validation_data))
                            if plan.paths.validation_data else None)
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=spec.model.trust_remote_code)
-        trainer = TrainerGroup(spec, plan)
-        stack.callback(trainer.shutdown)
         # The original URI stays the served model name: users and logs see what they asked for.
-        engines = EnginePool(spec, plan, served_model_name=str(spec.model.uri), gpu_slots=trainer.gpu_slots)
-        stack.callback(engines.shutdown)
+        served_model_name = str(spec.model.uri)
+        if plan.layout.colocated:  # the engines run on the trainer ranks' GPUs: the ranks first
+            trainer = TrainerGroup(spec, plan)
+            stack.callback(trainer.shutdown)
+            engines = EnginePool(spec, plan, served_model_name=served_model_name, gpu_slots=trainer.gpu_slots)
+            stack.callback(engines.shutdown)
+        else:
+            # An engine's start (vLLM's imports, the model, the KV cache, CUDA graphs) is the
+            # longest of a run's: the trainer ranks start beside it, not after it.
+            engines = EnginePool(spec, plan, served_model_name=served_model_name, wait=False)
+            stack.callback(engines.shutdown)
+            trainer = TrainerGroup(spec, plan)
+            stack.callback(trainer.shutdown)
+            engines.wait_ready()
         weight_sync = make_weight_sync(spec, trainer, engines)
         weight_sync.setup()
         # A going pod's preStop hook (kuberl.cli.notice) waits on this board for a commit.

@@ -93,8 +93,10 @@ class EnginePool:
     actor waits in Ray's queue and the pool runs on the engines left)."""
 
     def __init__(self, spec, plan: RunPlan, served_model_name: str, *, num_engines: int | None = None,
-                 gpu_slots: list[tuple[str, str]] | None = None):
-        """``gpu_slots``: the trainer ranks' (node, GPU id), required when colocated on GPUs."""
+                 gpu_slots: list[tuple[str, str]] | None = None, wait: bool = True):
+        """``gpu_slots``: the trainer ranks' (node, GPU id), required when colocated on GPUs.
+        ``wait``: return once every engine has started; False returns at once, and ``wait_ready``
+        waits (so the caller can start the trainer ranks beside the engines)."""
         self.spec = spec
         self.paths = plan.paths
         self.served_model_name = served_model_name
@@ -123,10 +125,18 @@ class EnginePool:
         self.replacement_seconds: list[float] = []  # loss -> replacement joined, since the last take_counts()
         self.engines = [self._start(i) for i in range(count)]
         self._slots = dict(zip(self.engines, range(count)))
-        # Surface start-up failures (bad model path, vLLM errors) here, not at the first request.
-        # The vocabulary (one model, so every engine's is the same) bounds the endpoint's token ids.
-        self.vocab_size = ray.get([engine.vocab_size.remote() for engine in self.engines])[0]
+        self._started = [engine.vocab_size.remote() for engine in self.engines]
+        self.vocab_size: int | None = None
         self._server = None
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait for the first engines' start. Start-up failures (bad model path, vLLM errors)
+        surface here, not at the first request. The vocabulary (one model, so every engine's is
+        the same) bounds the endpoint's token ids."""
+        if self.vocab_size is None:
+            self.vocab_size = ray.get(self._started)[0]
 
     def _start(self, index: int):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -306,9 +316,14 @@ class EnginePool:
         if self._server is not None:
             self._server.stop()
             self._server = None
+        # Engines not known to have started (the trainer ranks failed while they were starting)
+        # may wait in Ray's queue for ever, as replacements may: no call to them.
         for engine in self.engines:
-            self._stop(engine)
-        for engine, _ in self._starting.values():  # may wait in Ray's queue for ever: no call to it
+            if self.vocab_size is None:
+                ray.kill(engine)
+            else:
+                self._stop(engine)
+        for engine, _ in self._starting.values():
             ray.kill(engine)
         self.engines, self._slots, self._starting = [], {}, {}
 
