@@ -126,21 +126,7 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
         validation_path = (stack.enter_context(resolve(plan.paths.validation_data))
                            if plan.paths.validation_data else None)
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=spec.model.trust_remote_code)
-        # The original URI stays the served model name: users and logs see what they asked for.
-        served_model_name = str(spec.model.uri)
-        if plan.layout.colocated:  # the engines run on the trainer ranks' GPUs: the ranks first
-            trainer = TrainerGroup(spec, plan)
-            stack.callback(trainer.shutdown)
-            engines = EnginePool(spec, plan, served_model_name=served_model_name, gpu_slots=trainer.gpu_slots)
-            stack.callback(engines.shutdown)
-        else:
-            # An engine's start (vLLM's imports, the model, the KV cache, CUDA graphs) is the
-            # longest of a run's: the trainer ranks start beside it, not after it.
-            engines = EnginePool(spec, plan, served_model_name=served_model_name, wait=False)
-            stack.callback(engines.shutdown)
-            trainer = TrainerGroup(spec, plan)
-            stack.callback(trainer.shutdown)
-            engines.wait_ready()
+        trainer, engines = start_trainer_and_engines(spec, plan, stack, TrainerGroup, EnginePool)
         weight_sync = make_weight_sync(spec, trainer, engines)
         weight_sync.setup()
         # A going pod's preStop hook (kuberl.cli.notice) waits on this board for a commit.
@@ -169,6 +155,28 @@ def run(job: RLTrainingJob, plan: plans.RunPlan, *, max_steps: int | None = None
         if code == 0 and plan.checkpoints.export_hugging_face and driver.step >= driver.total_steps:
             trainer.export_hugging_face(plan.checkpoints.export_uri)
         return code
+
+
+def start_trainer_and_engines(spec, plan: plans.RunPlan, stack: contextlib.ExitStack, trainer_group, engine_pool):
+    """The trainer group and the engine pool (``kuberl.train.group.TrainerGroup`` and
+    ``kuberl.rollout.pool.EnginePool``), started; each one's shutdown is on ``stack`` as soon as
+    it exists, so a failure of the other stops it."""
+    # The original URI stays the served model name: users and logs see what they asked for.
+    served_model_name = str(spec.model.uri)
+    if plan.layout.colocated:  # the engines run on the trainer ranks' GPUs: the ranks first
+        trainer = trainer_group(spec, plan)
+        stack.callback(trainer.shutdown)
+        engines = engine_pool(spec, plan, served_model_name=served_model_name, gpu_slots=trainer.gpu_slots)
+        stack.callback(engines.shutdown)
+        return trainer, engines
+    # An engine's start (vLLM's imports, the model, the KV cache, CUDA graphs) is the longest of
+    # a run's: the trainer ranks start beside it, not after it.
+    engines = engine_pool(spec, plan, served_model_name=served_model_name, wait=False)
+    stack.callback(engines.shutdown)
+    trainer = trainer_group(spec, plan)
+    stack.callback(trainer.shutdown)
+    engines.wait_ready()
+    return trainer, engines
 
 
 def _fetched_code(path: str | None, source: CodeSource | None, work: Path, field: str,
