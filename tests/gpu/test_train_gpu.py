@@ -135,6 +135,36 @@ def test_chunked_logprobs_match_full_logits_in_bf16():
         assert _rel_err(ours, ref) < 1e-2
 
 
+# The trainer's head on a GPU with one target id past the vocabulary; a device-side assert
+# leaves the CUDA context unusable, hence a process of its own.
+_BAD_TARGET = r"""
+import torch
+from kuberl.train.logprobs import chunked_logprobs_entropy
+hidden = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+weight = torch.randn(5000, 256, device="cuda", dtype=torch.bfloat16) * 0.05
+targets = torch.randint(0, 5000, (64,), device="cuda")
+targets[10] = 5000  # one past the width: the Triton kernel would read row 11's first logit
+lp, _ = chunked_logprobs_entropy(hidden, weight, targets)
+torch.cuda.synchronize()
+print("read", lp[10].item())
+"""
+
+
+def test_head_kernel_rejects_a_target_id_past_the_vocabulary():
+    """The Triton head raises on a target id outside the vocabulary, as the PyTorch path's
+    gather does, instead of returning another row's logit as a log-prob."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    workloads = Path(__file__).resolve().parents[2] / "workloads"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(workloads), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _BAD_TARGET], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "read" not in done.stdout, done.stdout
+    assert "device-side assert" in done.stderr, done.stderr[-2000:]
+
+
 def test_equal_length_packed_rows_match_the_varlen_kernel():
     """A packed row of equal-length documents runs as a batch through SDPA (cuDNN's kernels
     first): the output and gradients are FlashAttention-2 varlen's."""

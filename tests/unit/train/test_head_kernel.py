@@ -1,6 +1,7 @@
 """The log-prob head's one-pass statistics kernel (``kuberl.train.head_kernel``) against the
 PyTorch formulation the CPU path uses, in float64 (in fp32 that formulation's entropy, a
-difference of two sums near the max logit, is the less exact of the two), run by Triton's interpreter on CPU tensors
+difference of two sums near the max logit, is the less exact of the two), and its check of the
+target ids; run by Triton's interpreter on CPU tensors
 (``TRITON_INTERPRET=1``, set before Triton is imported, hence the subprocess)."""
 
 from __future__ import annotations
@@ -74,6 +75,17 @@ expanded, dense = logits.clone(), logits.clone()
 head_kernel.grad_logits_(expanded, 0.8, lse, None, torch.ones(()).expand(n), None, targets.expand(n), block=1024)
 head_kernel.grad_logits_(dense, 0.8, lse, None, torch.ones(n), None, targets, block=1024)
 assert torch.equal(expanded, dense), (expanded - dense).abs().max()
+# A target id outside the head's columns raises, as the PyTorch path's gather does, where the
+# kernel would read another row's logits (the id one past the width: the next row's first column).
+logits = torch.randn(3, 1000)
+out = [torch.empty(3) for _ in range(3)]
+for bad in (1000, -1):
+    try:
+        head_kernel.row_stats(logits, torch.tensor([0, bad, 2]), 1.0, True, *out, block=1024)
+    except RuntimeError as exc:
+        assert "outside the head" in str(exc), exc
+    else:
+        raise AssertionError(f"target id {bad} of a width of 1000 was read: {out[0]}")
 print("ok")
 """
 

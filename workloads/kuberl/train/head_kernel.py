@@ -71,6 +71,12 @@ def row_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temp: float, with
     if logits.stride(1) != 1:
         raise ValueError("row_stats needs each row of logits contiguous")
     targets = targets.contiguous()  # the kernel reads element ``row``
+    # The kernel reads logits[row, target] unchecked: an id outside [0, vocab) would read another
+    # row's logits, or past the tensor, and return a wrong log-prob without an error (the PyTorch
+    # path's gather raises). Checked on the device, so no host sync: a bad id fails the process
+    # with a device-side assert, as the gather's own check does on a GPU.
+    torch._assert_async(((targets >= 0) & (targets < vocab)).all(),
+                        f"row_stats: a target id is outside the head's {vocab} columns")
     args = (logits, logits.stride(0), targets, out_lp, out_lse, out_ent if with_entropy else out_lse,
             vocab, float(inv_temp))
     if block is None:
