@@ -173,7 +173,13 @@ class AdamW(torch.optim.AdamW):
         found_inf = found_inf.to(device) if found_inf is not None else None
         grad_mul = grad_mul.to(device) if grad_mul is not None else None
         # As torch's fused path: every step count moves by one, and back where found_inf is 1.
-        torch._foreach_add_(plan.steps, 1.0 - found_inf if found_inf is not None else 1.0)
+        # A device tensor as foreach_add_'s scalar is read on the host (a sync that drained the
+        # queue before every update, seen in tests/gpu/test_optim_gpu.py's sync check): as a list,
+        # it is the tensor-list form, queued like any kernel.
+        if found_inf is None:
+            torch._foreach_add_(plan.steps, 1.0)
+        else:
+            torch._foreach_add_(plan.steps, [1.0 - found_inf] * len(plan.steps))
         beta1, beta2 = group["betas"]
         # The bias corrections per tensor in float64, rounded to fp32, as torch's kernel has them.
         t = torch.stack(plan.steps).double()
