@@ -257,27 +257,31 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, options: ModelOptions, *, tr
     return model
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip the gradients to a global 2-norm of ``max_norm``; returns the norm before clipping, a
-    plain tensor equal on every rank. Sharded gradients are DTensors of up to two meshes (dense,
-    and the experts' ("dp_shard", "ep")); torch's ``clip_grad_norm_`` stacks per-tensor norms and
-    cannot mix meshes, so each mesh's norm is reduced to a full tensor first (as torchtitan's
+def total_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
+    """The gradients' global 2-norm, a plain tensor equal on every rank (zero without gradients).
+    Sharded gradients are DTensors of up to two meshes (dense, and the experts' ("dp_shard",
+    "ep")); torch's ``get_total_norm`` over all of them would stack per-tensor norms of different
+    meshes, so each mesh's norm is reduced to a full tensor first (as torchtitan's
     ``_clip_grad_norm_with_ep``)."""
-    by_mesh: dict[DeviceMesh | None, list[nn.Parameter]] = {}
+    by_mesh: dict[DeviceMesh | None, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
     norms = []
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.zeros(())
-    # One mesh: its norm as it is (bit for bit what clip_grad_norm_ gave before expert parallelism).
-    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-    for group in by_mesh.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
-    return total
+    # One mesh: its norm as it is (bit for bit what clip_grad_norm_ gives).
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What ``torch.nn.utils.clip_grads_with_norm_`` multiplies every gradient by to clip them to
+    a global norm of ``max_norm``, as a tensor (no host sync): ``kuberl.train.optim.AdamW`` takes
+    it into its update instead of a pass over the gradients of its own."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
 def _materialize(model: nn.Module, mesh: DeviceMesh, device: torch.device, options: ModelOptions) -> None:

@@ -27,9 +27,10 @@ from kuberl.train.algorithms import registry
 from kuberl.train.algorithms.base import UpdateTotals
 from kuberl.train.logprobs import score_tokens
 from kuberl.train.lora import LoraOptions, adapters_disabled, merged_state_dict
-from kuberl.train.model import (ModelOptions, clip_grad_norm, init_random_sharded_model, load_config,
-                                load_sharded_model, trainer_meshes)
+from kuberl.train.model import (ModelOptions, clip_coefficient, init_random_sharded_model, load_config,
+                                load_sharded_model, total_grad_norm, trainer_meshes)
 from kuberl.train.moe import is_moe_config
+from kuberl.train.optim import AdamW
 
 log = logging.getLogger("kuberl.train")
 
@@ -238,12 +239,13 @@ class TrainerWorker:
                                                  expert_mesh=self.expert_mesh)
                               if config.kl_coef > 0 and config.model.lora is None else None)
         self.is_moe = is_moe_config(self.hf_config)
-        # Fused (one kernel over all parameters instead of several foreach passes), on the GPU and on
-        # the host alike (offloaded, the parameters and moments are CPU tensors): the fused kernels
-        # alone take ``found_inf``, which lets train_step skip a non-finite update without a host sync.
-        # With LoRA only the adapters train: neither gradients nor moments exist for the base.
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=config.lr,
-                                           weight_decay=config.weight_decay, fused=True)
+        # torch's fused AdamW (its state and checkpoints), on the GPU one Triton launch per step with
+        # the gradient clipping folded in (kuberl.train.optim), on the host (offload) torch's own
+        # fused kernels: both take ``found_inf``, which lets train_step skip a non-finite update
+        # without a host sync. With LoRA only the adapters train: neither gradients nor moments
+        # exist for the base.
+        self.optimizer = AdamW([p for p in self.model.parameters() if p.requires_grad], lr=config.lr,
+                               weight_decay=config.weight_decay)
         warmup = config.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
@@ -402,24 +404,22 @@ class TrainerWorker:
                 sums += torch.cat([torch.stack([total.detach(), pg.detach(), kl.detach(), ent.detach(),
                                                 aux_term.detach() / self.world_size, extra["clipped_tokens"],
                                                 mb.mask.sum()]).float(), tis_sums.float()])
-        grad_norm = clip_grad_norm(list(self.model.parameters()), cfg.max_grad_norm)
+        # The norm only: the clipping's multiply is the optimizer's (one pass over the gradients fewer).
+        grad_norm = total_grad_norm(list(self.model.parameters()))
         nonfinite = (~torch.isfinite(grad_norm)).float().reshape(1).to(self.device)
         # One collective for every metric and the skip decision, after all micro-batches: every
         # rank sees the same sum, hence takes the same decision below.
         reduced = torch.cat([sums, nonfinite])
         self._all_reduce(reduced)
         lr = self.scheduler.get_last_lr()[0]
-        # The skip decision stays on the device, so the optimizer is queued behind the backward
-        # instead of launched on an idle GPU after a sync: the fused AdamW kernels leave
-        # parameters and moments untouched where ``found_inf`` is 1 and take the step count back
+        # The skip decision and the clipping stay on the device, so the optimizer is queued behind
+        # the backward instead of launched on an idle GPU after a sync: the update leaves
+        # parameters and moments untouched where ``found_inf`` is 1 and takes the step count back
         # (the hook torch's GradScaler uses; tests/unit/train/test_skip_update.py fails if it
         # changes). The scheduler and counters follow below, once the metrics are read.
         checkpoint_wait = self.before_update()  # the step count moves and moves back even when skipped
-        self.optimizer.found_inf = (reduced[-1] > 0).float()
-        try:
-            self.optimizer.step()
-        finally:
-            del self.optimizer.found_inf
+        self.optimizer.step(found_inf=(reduced[-1] > 0).float(),
+                            grad_mul=clip_coefficient(grad_norm, cfg.max_grad_norm))
         self.optimizer.zero_grad(set_to_none=True)
         # The step's one host sync, with the optimizer's kernels already queued.
         *metric_values, nonfinite_ranks, norm = torch.cat([reduced, grad_norm.reshape(1).to(reduced)]).tolist()
