@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from head_stats import timed  # noqa: E402
 from train_speed import PRESETS  # noqa: E402
 
 from kuberl.train import optim  # noqa: E402
@@ -41,20 +41,6 @@ def preset_shapes(preset: dict) -> list[tuple[int, ...]]:
     mlp, d = preset["dense_intermediate_size"], preset["head_dim"]
     layer = [(q, h), (kv, h), (kv, h), (h, q), (d,), (d,), (mlp, h), (mlp, h), (h, mlp), (h,), (h,)]
     return [(preset["vocab_size"], h), *layer * preset["num_hidden_layers"], (h,), (preset["vocab_size"], h)]
-
-
-def timed(fn, repeat: int) -> float:
-    """Median milliseconds of ``fn`` between CUDA events, after one untimed run."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def copy_rate(device: torch.device, repeat: int) -> float:
