@@ -97,6 +97,17 @@ def test_vllm_forks_workers_where_the_executor_asks_outside_a_ray_actor_without_
     assert get_mp_context().get_start_method() == "fork"
 
 
+def test_the_receiver_finds_vllms_cpu_moe_experts_where_it_looks():
+    """kuberl.sync.receiver looks for vLLM's CPU MoE experts in ``sys.modules`` under
+    ``CPU_MOE_MODULE`` (so that a model without vLLM never imports it): fails if vLLM moves the
+    class, which would silently skip the reload's prepack."""
+    import importlib
+
+    from kuberl.sync.receiver import CPU_MOE_MODULE
+
+    assert isinstance(importlib.import_module(CPU_MOE_MODULE).CPUUnquantizedExperts, type)
+
+
 def test_missing_model_is_a_clear_error_before_vllm_starts(spec):
     from kuberl.job.plan import Paths
     from kuberl.rollout.engine import RolloutEngine

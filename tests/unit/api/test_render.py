@@ -3,6 +3,7 @@ the Kubernetes OpenAPI schemas, and carries the security and placement propertie
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import shlex
@@ -25,6 +26,10 @@ from tests.unit.api.bad_manifests import minimal_manifest
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 K8S_VERSION = "1.35.0"
+
+
+def _load(text: str) -> Any:
+    return yaml.load(text, Loader=plans.YAML_LOADER)
 
 
 def _crd_schema(name: str) -> dict[str, Any]:
@@ -62,8 +67,14 @@ def _unknown_fields(value: Any, schema: dict[str, Any], path: str = "") -> list[
     return out
 
 
+@functools.cache
+def _rendered_once(example: Path) -> list[dict[str, Any]]:
+    return render_manifest(_load(example.read_text()))
+
+
 def _rendered(example: Path) -> list[dict[str, Any]]:
-    return render_manifest(yaml.safe_load(example.read_text()))
+    """The example's objects: rendered once per example for the whole file, a fresh copy each call."""
+    return copy.deepcopy(_rendered_once(example))
 
 
 def _by_kind(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -113,7 +124,7 @@ def test_core_objects_validate_against_kubernetes_openapi(example):
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_cli_render_prints_the_same_objects(example, capsys):
     assert kuberl_main(["render", "-f", str(example)]) == 0
-    printed = list(yaml.safe_load_all(capsys.readouterr().out))
+    printed = list(yaml.load_all(capsys.readouterr().out, Loader=plans.YAML_LOADER))
     assert printed == _rendered(example)
 
 
@@ -156,7 +167,7 @@ def test_owner_references_when_the_job_has_a_uid():
 
 
 def test_model_credentials_reach_only_init_containers():
-    manifest = yaml.safe_load((REPO / "examples" / "grpo-colocated.yaml").read_text())
+    manifest = _load((REPO / "examples" / "grpo-colocated.yaml").read_text())
     pods = _pods(_by_kind(render_manifest(manifest))["RayJob"])
     for role, pod in pods.items():
         stage = {c["name"]: c for c in pod["initContainers"]}
@@ -171,7 +182,7 @@ def test_model_credentials_reach_only_init_containers():
 
 def test_secrets_reach_only_the_containers_that_use_them():
     """Separate Secrets for model, data and checkpoints: each lands only where it is used."""
-    manifest = yaml.safe_load((REPO / "examples" / "grpo-qwen3-moe.yaml").read_text())
+    manifest = _load((REPO / "examples" / "grpo-qwen3-moe.yaml").read_text())
     manifest["spec"]["model"]["credentials"] = {"name": "model-creds"}
     manifest["spec"]["data"]["credentials"] = {"name": "data-creds"}
     manifest["spec"]["checkpoint"]["credentials"] = {"name": "ckpt-creds"}
@@ -188,7 +199,7 @@ def test_secrets_reach_only_the_containers_that_use_them():
 
 
 def test_gpu_requests_groups_and_guaranteed_qos_for_numa():
-    manifest = yaml.safe_load((REPO / "examples" / "grpo-qwen3-moe.yaml").read_text())
+    manifest = _load((REPO / "examples" / "grpo-qwen3-moe.yaml").read_text())
     ray_job = _by_kind(render_manifest(manifest))["RayJob"]
     groups = {g["groupName"]: g for g in ray_job["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
     assert set(groups) == {"trainer", "rollout"}
@@ -207,7 +218,7 @@ def test_head_and_trainer_pods_get_the_preemption_notice_hook_within_their_grace
     the head's says it is the head (the driver begins no step after its commit), and each writes
     what it did to its container's log (the kubelet keeps a hook's output only when it fails);
     rollout pods have none (a lost engine costs no step)."""
-    manifest = yaml.safe_load((REPO / "examples" / "grpo-tiny-cpu.yaml").read_text())
+    manifest = _load((REPO / "examples" / "grpo-tiny-cpu.yaml").read_text())
     manifest["spec"].setdefault("scheduling", {})["terminationGracePeriodSeconds"] = 300
     pods = _pods(_by_kind(render_manifest(manifest))["RayJob"])
     for role in ("head", "trainer"):
@@ -223,13 +234,13 @@ def test_head_and_trainer_pods_get_the_preemption_notice_hook_within_their_grace
     (rollout,) = pods["rollout"]["containers"]
     assert "lifecycle" not in rollout and "terminationGracePeriodSeconds" not in pods["rollout"]
     assert "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S" not in {e["name"] for e in rollout["env"]}
-    default = _pods(_by_kind(render_manifest(yaml.safe_load((REPO / "examples" / "grpo-tiny-cpu.yaml").read_text())))
+    default = _pods(_by_kind(render_manifest(_load((REPO / "examples" / "grpo-tiny-cpu.yaml").read_text())))
                     ["RayJob"])
     assert default["trainer"]["terminationGracePeriodSeconds"] == 120
 
 
 def test_colocated_job_has_no_rollout_group():
-    manifest = yaml.safe_load((REPO / "examples" / "grpo-colocated.yaml").read_text())
+    manifest = _load((REPO / "examples" / "grpo-colocated.yaml").read_text())
     ray_job = _by_kind(render_manifest(manifest))["RayJob"]
     (group,) = ray_job["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     assert group["groupName"] == "trainer"
@@ -237,7 +248,7 @@ def test_colocated_job_has_no_rollout_group():
 
 
 def test_checkpoints_are_never_staged_ranks_restore_from_the_uri():
-    manifest = yaml.safe_load((REPO / "examples" / "grpo-qwen3-moe.yaml").read_text())
+    manifest = _load((REPO / "examples" / "grpo-qwen3-moe.yaml").read_text())
     for pod in _pods(_by_kind(render_manifest(manifest))["RayJob"]).values():
         assert {c["name"] for c in pod["initContainers"]} <= {"stage-model", "stage-data", "check-data"}
         assert not any("checkpoint" in m["mountPath"] for c in pod["containers"] for m in c["volumeMounts"])
@@ -252,11 +263,11 @@ def test_checkpoints_are_never_staged_ranks_restore_from_the_uri():
                                                     explicit="s3://old/run/step-000000100")),
 ])
 def test_what_an_attempt_restores_comes_from_the_spec(resume, attempt, expected):
-    manifest = yaml.safe_load((REPO / "examples" / "grpo-qwen3-moe.yaml").read_text())
+    manifest = _load((REPO / "examples" / "grpo-qwen3-moe.yaml").read_text())
     manifest["spec"]["checkpoint"]["resume"] = resume
     objs = _by_kind(render_manifest(manifest, attempt=attempt))
     assert objs["RayJob"]["metadata"]["name"] == ("grpo-qwen3-moe" if attempt == 0 else f"grpo-qwen3-moe-r{attempt}")
-    config = yaml.safe_load(objs["ConfigMap"]["data"]["job.yaml"])
+    config = _load(objs["ConfigMap"]["data"]["job.yaml"])
     assert config["metadata"]["annotations"] == {"kuberl.dev/attempt": str(attempt)}
     plan = plans.read(objs["ConfigMap"]["data"]["plan.yaml"])
     assert plan.attempt == attempt and plan.resume == expected
@@ -266,7 +277,7 @@ def test_what_an_attempt_restores_comes_from_the_spec(resume, attempt, expected)
 def test_config_map_holds_the_run_plan_the_ray_job_was_rendered_from(example):
     objs = _by_kind(_rendered(example))
     plan = plans.read(objs["ConfigMap"]["data"]["plan.yaml"])
-    assert plan == plans.for_cluster(validate_manifest(yaml.safe_load(example.read_text())))
+    assert plan == plans.for_cluster(validate_manifest(_load(example.read_text())))
     cluster = objs["RayJob"]["spec"]["rayClusterSpec"]
     groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
     assert 1 + sum(g["replicas"] for g in groups.values()) == plan.layout.expected_pods
@@ -286,7 +297,7 @@ def test_a_plan_written_before_the_process_layout_rename_still_reads():
     """A running job's ConfigMap may hold a plan.yaml that names the layout ``topology``: the
     operator reads it for status and restarts, so it must still load, as the same plan."""
     plan = plans.for_cluster(validate_manifest(minimal_manifest()))
-    written = yaml.safe_load(plan.dump())
+    written = _load(plan.dump())
     assert "layout" in written and "topology" not in written
     written["topology"] = written.pop("layout")
     assert plans.read(yaml.safe_dump(written)) == plan
@@ -299,7 +310,7 @@ def test_the_plan_carries_the_trainer_mesh_and_an_older_plan_reads_as_plain_fsdp
     manifest["spec"]["trainer"] = {"replicas": 2, "gpusPerReplica": 4, "parallelism": {"expert": 4}}
     plan = plans.for_cluster(validate_manifest(manifest))
     assert plan.layout.trainer_mesh == plans.TrainerMesh(dp_shard=2, ep=4)
-    written = yaml.safe_load(plan.dump())
+    written = _load(plan.dump())
     del written["layout"]["trainer_mesh"]
     assert plans.read(yaml.safe_dump(written)).layout.trainer_mesh == plans.TrainerMesh(dp_shard=8, ep=1)
 
@@ -322,7 +333,7 @@ def test_the_plan_carries_the_engines_expert_parallel_size():
     assert plans.for_cluster(job).layout.engine_expert_parallel == 1
     assert engine_kwargs(job.spec, "m", "x", engine_index=0, on_cpu=False)["enable_expert_parallel"] is False
     # A plan written before the field reads as no expert parallelism.
-    written = yaml.safe_load(plans.for_cluster(job).dump())
+    written = _load(plans.for_cluster(job).dump())
     del written["layout"]["engine_expert_parallel"]
     assert plans.read(yaml.safe_dump(written)).layout.engine_expert_parallel == 1
 
@@ -408,9 +419,9 @@ def test_pvc_checkpoint_root_is_writable_on_trainers_only():
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_config_map_holds_the_resolved_job_in_the_same_types(example):
     config_map = _by_kind(_rendered(example))["ConfigMap"]
-    config = yaml.safe_load(config_map["data"]["job.yaml"])
+    config = _load(config_map["data"]["job.yaml"])
     reloaded = validate_manifest(config)
-    assert reloaded.spec == validate_manifest(yaml.safe_load(example.read_text())).spec
+    assert reloaded.spec == validate_manifest(_load(example.read_text())).spec
 
 
 def test_pvc_and_local_models_are_mounted_not_staged():

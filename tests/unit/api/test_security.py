@@ -9,7 +9,6 @@ from kuberl.api.uri import URIError, parse, revision_problem
 from kuberl.api.validate import ManifestError, validate_manifest
 from kuberl.api.contract import RAY_DASHBOARD_PORT
 from kuberl.job.render import render_manifest
-from kuberl.api.uri import URIError, parse, revision_problem
 from tests.unit.api.bad_manifests import minimal_manifest
 
 GOOD = ["main", "v1.1", "refs/pr/12", "feature/x-y_z", "a" * 40, "0123456789abcdef0123456789abcdef01234567",

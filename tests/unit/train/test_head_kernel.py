@@ -6,12 +6,9 @@ target ids; run by Triton's interpreter on CPU tensors
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.unit import triton_interpreter
 
 # Triton 3.6's interpreter fails on the kernel's loop over the width (a TypeError on `range(0, vocab,
 # BLOCK)`, seen on the GPU machine); 3.7's, the lock's, runs it.
@@ -90,10 +87,6 @@ print("ok")
 """
 
 
+@pytest.mark.triton_interpreter(CHECK)
 def test_one_pass_kernel_matches_the_pytorch_formulation():
-    repo = Path(__file__).resolve().parents[3]
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(repo / "workloads"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    triton_interpreter.result(CHECK)

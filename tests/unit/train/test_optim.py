@@ -6,15 +6,11 @@ fused AdamW. On a GPU: tests/gpu/test_optim_gpu.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from kuberl.train.optim import AdamW
+from tests.unit import triton_interpreter
 
 
 def _params(seed: int) -> list[torch.nn.Parameter]:
@@ -123,10 +119,7 @@ print("ok")
 """
 
 
+@pytest.mark.triton_interpreter(CHECK)
 def test_kernel_in_the_interpreter_is_adamw():
     pytest.importorskip("triton")
-    repo = Path(__file__).resolve().parents[3]
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(repo / "workloads"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    triton_interpreter.result(CHECK)

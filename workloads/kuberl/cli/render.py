@@ -10,8 +10,8 @@ import yaml
 
 from kuberl.api.uri import URIError
 from kuberl.api.validate import ManifestError
+from kuberl.job.plan import YAML_DUMPER, YAML_LOADER
 from kuberl.job.render import render_manifest
-from kuberl.api.uri import URIError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kuberl render: cannot read {args.filename}: {exc.strerror}", file=sys.stderr)
         return 1
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = [d for d in yaml.load_all(text, Loader=YAML_LOADER) if d is not None]
     except yaml.YAMLError as exc:
         print(f"kuberl render: {args.filename} is not valid YAML: {exc}", file=sys.stderr)
         return 1
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         except (ManifestError, URIError) as exc:
             print(f"kuberl render: {args.filename}: {exc}", file=sys.stderr)
             return 1
-    sys.stdout.write(yaml.safe_dump_all(out, sort_keys=False))
+    sys.stdout.write(yaml.dump_all(out, Dumper=YAML_DUMPER, sort_keys=False))
     return 0
 
 

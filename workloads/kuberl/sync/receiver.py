@@ -8,6 +8,7 @@ parameters and redoes the post-load processing.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -16,6 +17,9 @@ import torch
 from kuberl.sync.ipc import IpcReceiver
 from kuberl.sync.nccl import NcclReceiver
 from kuberl.sync.snapshot import SnapshotReceiver
+
+# Where vLLM 0.32 defines its CPU MoE experts (``CPUUnquantizedExperts``).
+CPU_MOE_MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
 
 
 class WeightReceiver(NcclReceiver, SnapshotReceiver, IpcReceiver):
@@ -77,9 +81,11 @@ def _cpu_experts_prepacked_again(model: torch.nn.Module, device: torch.device):
     layer the reload did not fill keeps its kernel, restored here. On GPU (no prepack) nothing
     changes. tests/engine/rollout/test_sync_expert_parallel.py fails without it."""
     kernels = {}
-    if device.type == "cpu":
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
+    # A model holding vLLM's CPU experts has imported their module; any other model (a test's
+    # plain torch module) must not pay vLLM's 7-second import to learn that it holds none.
+    cpu_moe = sys.modules.get(CPU_MOE_MODULE) if device.type == "cpu" else None
+    if cpu_moe is not None:
+        CPUUnquantizedExperts = cpu_moe.CPUUnquantizedExperts
         for module in model.modules():
             method = getattr(module, "quant_method", None)
             experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
