@@ -13,7 +13,7 @@ from tests.tiers import TIERS, tier_of
 # The object stores need only the standard library. The cluster harness, the Helm and Prometheus
 # fixtures need the `test` extra (cryptography for its certificates); the GPU machine has only
 # torch and transformers and runs tests/gpu without it.
-pytest_plugins = ["tests.shared.stores"] + (
+pytest_plugins = ["tests.early_stop", "tests.shared.stores"] + (
     ["tests.harness.plugin", "tests.shared.helm", "tests.shared.metrics"]
     if importlib.util.find_spec("cryptography") else [])
 
@@ -32,6 +32,7 @@ def ray_session(ray_s3_endpoint):
     """One local Ray for the whole session: ``ray.init`` may run once per process, and the vLLM
     engine actors (about a minute to start) outlive any one test module."""
     ray = pytest.importorskip("ray")
+    from tests.early_stop import stop_after_last_user
     from tests.shared.stores import S3_ENV
 
     if ray.is_initialized():
@@ -42,6 +43,7 @@ def ray_session(ray_s3_endpoint):
     # reward workers each hold one while they live, and take turns on the real cores.
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {**S3_ENV, "AWS_ENDPOINT_URL_S3": ray_s3_endpoint}})
+    stop_after_last_user("ray_session", ray.shutdown)  # and the engines kept for the session with it
     yield ray_s3_endpoint
     ray.shutdown()
 

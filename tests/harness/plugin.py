@@ -18,6 +18,7 @@ import pytest
 
 import os
 
+from tests.early_stop import stop_after_last_user
 from tests.harness.build import GoToolchainError, build, missing_components
 from tests.harness.harness import Cluster
 from tests.harness.nodes import host_tools_missing
@@ -46,6 +47,7 @@ def k8s_cluster():
     cluster = Cluster()
     cluster.start()
     _session_clusters["k8s_cluster"] = cluster
+    stop_after_last_user("k8s_cluster", cluster.stop)  # before the e2e tier's real nodes start
     try:
         yield cluster
     finally:

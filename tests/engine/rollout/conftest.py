@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.early_stop import stop_after_last_user
+
 vllm = pytest.importorskip("vllm")
 ray = pytest.importorskip("ray")
 
@@ -46,6 +48,7 @@ def pool(ray_session, spec, tiny_model):
     from kuberl.rollout.pool import EnginePool
 
     engines = EnginePool(spec, local_plan(spec), "kuberl-tiny")
+    stop_after_last_user("pool", engines.shutdown)  # before the session's Ray stops
     yield engines
     engines.shutdown()
 
