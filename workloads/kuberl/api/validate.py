@@ -102,9 +102,10 @@ _RESULTS: dict[tuple[str, str], bool | str] = {}
 RESULTS_KEPT = 20_000
 
 
-def _rule_result(expr: str, value: Any, cel_value: Any) -> bool | str:
-    """True or False, or the evaluation error's message."""
-    key = (expr, repr(value))  # repr keeps types apart (1 and 1.0, a date and its string)
+def _rule_result(expr: str, value_key: str, cel_value: Any) -> bool | str:
+    """True or False, or the evaluation error's message. ``value_key``: ``repr`` of the value,
+    which keeps types apart (1 and 1.0, a date and its string)."""
+    key = (expr, value_key)
     result = _RESULTS.get(key)
     if result is None:
         try:
@@ -125,10 +126,11 @@ def _cel_errors(value: Any, schema: dict[str, Any], path: str, cel_value: Any = 
     if cel_value is None:
         cel_value = celpy.json_to_cel(_as_decoded(value))
     errors = []
-    for rule in schema.get("x-kubernetes-validations", []):
-        if "oldSelf" in rule["rule"]:  # a transition rule: only the API server sees an update
-            continue
-        result = _rule_result(rule["rule"], value, cel_value)
+    rules = [r for r in schema.get("x-kubernetes-validations", [])
+             if "oldSelf" not in r["rule"]]  # a transition rule: only the API server sees an update
+    value_key = repr(value) if rules else ""  # once per value, not once per rule
+    for rule in rules:
+        result = _rule_result(rule["rule"], value_key, cel_value)
         if isinstance(result, str):
             # The API server refuses the object too, with the evaluation error: so does this.
             errors.append(f"{path}: {rule['message']} (the rule could not be evaluated: {result})")
