@@ -87,8 +87,11 @@ def _run(argv: list[str], log: Path, what: str, **kwargs) -> None:
         out.flush()
         proc = subprocess.run(["nice", "-n", "10", *argv], stdout=out, stderr=subprocess.STDOUT, **kwargs)
     if proc.returncode != 0:
-        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-30:])
-        raise ImageError(f"{what} failed (exit {proc.returncode}); full log {log}:\n{tail}")
+        raise ImageError(f"{what} failed (exit {proc.returncode}); full log {log}:\n{_log_tail(log)}")
+
+
+def _log_tail(log: Path, lines: int = 30) -> str:
+    return "".join(log.read_text(errors="replace").splitlines(keepends=True)[-lines:])
 
 
 def check_tools() -> None:
@@ -376,12 +379,25 @@ def check_room_for_import(tag: str, present: list[set[str]], directory: Path) ->
                          f"{cache_dir() / 'node-store'} when no test runs), or use fewer real nodes.")
 
 
+HELD_DURING_IMPORT = "-held-during-import"
+
+
 def import_into(ctrs: list[list[str]], image: str, name: str, logs: list[Path]) -> None:
     """Stream podman's `image` into containerds (one argv prefix `ctr` each, log beside it) as
     `name`: one `podman save` feeds them all at once, since the save (re-reading every layer of a
-    7 GB image) costs as much as an import."""
+    7 GB image) costs as much as an import.
+
+    The image `name` named before stays held under a second name until the import is done.
+    `ctr images import` moves `name` to the new image before it unpacks it, and unpacking skips
+    the layers whose snapshots exist, without holding them: the base layers that the old image
+    shares with the new one are then held by nothing, and a garbage collection in between (any
+    container a kubelet removes starts one) deletes them under the unpack, which fails with
+    "parent snapshot ... does not exist" (containerd/containerd#3787; it failed CI on 2026-11-28)."""
     if image != name:
         subprocess.run(podman_argv("tag", image, name), check=True, capture_output=True)
+    held = f"{name}{HELD_DURING_IMPORT}"
+    holding = [_ctr_logged([*ctr, "-n", "k8s.io", "images", "tag", "--force", name, held], log)  # no: `name` is new
+               for ctr, log in zip(ctrs, logs)]
     save = subprocess.Popen(podman_argv("save", "--format=docker-archive", name), stdout=subprocess.PIPE,
                             stderr=logs[0].open("a"))
     imports = []
@@ -402,9 +418,21 @@ def import_into(ctrs: list[list[str]], image: str, name: str, logs: list[Path]) 
                 proc.stdin.close()
             except BrokenPipeError:
                 pass
-    failed = [str(log) for proc, log in imports if proc.wait() != 0]
+    failed = [log for proc, log in imports if proc.wait() != 0]
+    for ctr, log, holds in zip(ctrs, logs, holding):
+        if holds:  # --sync: the old image's own layers are free when this returns (the room checks)
+            _ctr_logged([*ctr, "-n", "k8s.io", "images", "rm", "--sync", held], log)
     if save.wait() != 0 or failed:
-        raise ImageError(f"importing {name} into containerd failed; logs {', '.join(failed) or logs[0]}")
+        tails = "".join(f"\n--- the end of {log} ---\n{_log_tail(log)}" for log in failed or logs[:1])
+        raise ImageError(f"importing {name} into containerd failed{tails}")
+
+
+def _ctr_logged(argv: list[str], log: Path) -> bool:
+    """Run a ctr command, its output into `log`; whether it succeeded."""
+    with log.open("a") as out:
+        out.write(f"$ {' '.join(argv)}\n")
+        out.flush()
+        return subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT).returncode == 0
 
 
 __all__ = ["ImageError", "NAMES", "PAUSE_IMAGE", "build", "import_into", "local_tag", "missing_images", "public_name"]

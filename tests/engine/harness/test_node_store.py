@@ -134,3 +134,29 @@ def test_an_import_replaces_the_nodes_superseded_kuberl_image_and_brings_the_pau
         cluster._import([node], images.PAUSE_IMAGE, new)
         assert seen_at_import == [{images.PAUSE_IMAGE}]  # the superseded image went first
         assert held() == {new, images.PAUSE_IMAGE}
+
+
+def test_a_reimport_holds_the_image_it_replaces_until_the_new_one_is_unpacked(tmp_path):
+    """With the real containerd: while `ctr images import` moves a name to its new image and
+    unpacks it, the image the name had stays held under a second name, so that no garbage
+    collection in between deletes the layers both share (containerd/containerd#3787: "parent
+    snapshot ... does not exist"). The second name goes when the import is done."""
+    if os.geteuid() != 0 or host_tools_missing():
+        pytest.skip("needs root, containerd and podman (`bash .ci/setup --tests`)")
+    images.build(())  # the pause image (tiny, built once)
+    node = RealNode("real-node-0", 0, "10.240.0.10", tmp_path / "node")
+    node.directory.mkdir()
+    seen = tmp_path / "held-as-the-import-starts"
+    watched = tmp_path / "ctr"  # ctr, writing down the node's images as each import starts
+    watched.write_text(f'#!/bin/sh\ncase "$*" in *"images import"*) {" ".join(node.ctr())} -n k8s.io images ls -q '
+                       f'>> {seen}; echo -- >> {seen};; esac\nexec {" ".join(node.ctr())} "$@"\n')
+    watched.chmod(0o755)
+    held = images.PAUSE_IMAGE + images.HELD_DURING_IMPORT
+    with _containerd(node) as ctr:
+        images.import_into([[str(watched)]], images.PAUSE_IMAGE, images.PAUSE_IMAGE, [tmp_path / "import.log"])
+        images.import_into([[str(watched)]], images.PAUSE_IMAGE, images.PAUSE_IMAGE, [tmp_path / "import.log"])
+        after = subprocess.run([*ctr, "images", "ls", "-q"], check=True, capture_output=True, text=True).stdout.split()
+    first, second = [block.split() for block in seen.read_text().split("--")[:2]]
+    assert first == []  # a new name: nothing to hold
+    assert sorted(second) == sorted([images.PAUSE_IMAGE, held]), (tmp_path / "import.log").read_text()
+    assert after == [images.PAUSE_IMAGE]
