@@ -644,8 +644,7 @@ class Cluster:
     @staticmethod
     def _contents(nodes: list["realnodes.RealNode"]) -> list[set[str]]:
         """Each node's content digests (the layers an import need not write again)."""
-        return [set(subprocess.run([*node.ctr(), "-n", "k8s.io", "content", "ls", "-q"], capture_output=True,
-                                   text=True, check=True).stdout.split()) for node in nodes]
+        return [images.content_digests(node.ctr()) for node in nodes]
 
     def _remove_images(self, node: "realnodes.RealNode", names: list[str]) -> None:
         """Remove `names` from the node's containerd and wait for its garbage collection, so that

@@ -12,8 +12,8 @@ the image's for its RUN steps only, so it is never part of an image.
 An image is cached under a tag keyed by the hash of its target name, the shared Dockerfile,
 uv.lock, pyproject.toml and kuberl's sources (and the base): a present tag is never rebuilt, and
 podman's layer cache keeps a code change from reinstalling the locked dependencies. `import_into`
-streams an image into a node's containerd under the public name the manifests use
-(ghcr.io/kuberl/<name>:<version>).
+streams an image into nodes' containerds, each getting only the layers it lacks, under the
+public name the manifests use (ghcr.io/kuberl/<name>:<version>).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
+from tests.harness import oci_stream
 from tests.harness.build import BuildError, _cache_lock
 from tests.harness.components import KUBERNETES_VERSION, cache_dir
 from tests.harness.nodes import EVICTION_FREE_PERCENT
@@ -385,19 +386,22 @@ HELD_DURING_IMPORT = "-held-during-import"
 def import_into(ctrs: list[list[str]], image: str, name: str, logs: list[Path]) -> None:
     """Stream podman's `image` into containerds (one argv prefix `ctr` each, log beside it) as
     `name`: one `podman save` feeds them all at once, since the save (re-reading every layer of a
-    7 GB image) costs as much as an import.
+    7 GB image) costs as much as an import. Each containerd gets only the layers it lacks
+    (tests/harness/oci_stream.py): a code change sends worker-cpu's code layer alone.
 
     The image `name` named before stays held under a second name until the import is done.
     `ctr images import` moves `name` to the new image before it unpacks it, and unpacking skips
     the layers whose snapshots exist, without holding them: the base layers that the old image
     shares with the new one are then held by nothing, and a garbage collection in between (any
     container a kubelet removes starts one) deletes them under the unpack, which fails with
-    "parent snapshot ... does not exist" (containerd/containerd#3787; it failed CI on 2026-11-28)."""
+    "parent snapshot ... does not exist" (containerd/containerd#3787; it failed CI on 2026-11-28).
+    Held, they also stay in the content store, which the layers left out rely on."""
     if image != name:
         subprocess.run(podman_argv("tag", image, name), check=True, capture_output=True)
     held = f"{name}{HELD_DURING_IMPORT}"
     holding = [_ctr_logged([*ctr, "-n", "k8s.io", "images", "tag", "--force", name, held], log)  # no: `name` is new
                for ctr, log in zip(ctrs, logs)]
+    present = [content_digests(ctr) for ctr in ctrs]
     save = subprocess.Popen(podman_argv("save", "--format=docker-archive", name), stdout=subprocess.PIPE,
                             stderr=logs[0].open("a"))
     imports = []
@@ -407,9 +411,7 @@ def import_into(ctrs: list[list[str]], image: str, name: str, logs: list[Path]) 
             out.write(f"$ {' '.join(argv)}\n")
         imports.append((subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log.open("a"), stderr=subprocess.STDOUT), log))
     try:
-        while chunk := save.stdout.read(1 << 20):
-            for proc, _ in imports:
-                proc.stdin.write(chunk)
+        oci_stream.send_oci_layouts(save.stdout, name, [proc.stdin for proc, _ in imports], present)
     except BrokenPipeError:  # an import died: its exit status and log say why
         save.kill()
     finally:
@@ -425,6 +427,12 @@ def import_into(ctrs: list[list[str]], image: str, name: str, logs: list[Path]) 
     if save.wait() != 0 or failed:
         tails = "".join(f"\n--- the end of {log} ---\n{_log_tail(log)}" for log in failed or logs[:1])
         raise ImageError(f"importing {name} into containerd failed{tails}")
+
+
+def content_digests(ctr: list[str]) -> set[str]:
+    """The digests in a containerd's content store (the layers an import need not send)."""
+    return set(subprocess.run([*ctr, "-n", "k8s.io", "content", "ls", "-q"], capture_output=True, text=True,
+                              check=True).stdout.split())
 
 
 def _ctr_logged(argv: list[str], log: Path) -> bool:
