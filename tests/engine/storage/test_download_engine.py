@@ -32,6 +32,12 @@ def pattern(size: int, seed: int) -> bytes:
     return b"".join((seed * 1_000_003 + i).to_bytes(8, "little") for i in range(words))[:size]
 
 
+def _child_env(s3_env: dict[str, str]) -> dict[str, str]:
+    """A child Python's environment: the loopback S3 server, and kuberl importable."""
+    return {**os.environ, **s3_env,
+            "PYTHONPATH": os.pathsep.join([str(REPO / "workloads"), os.environ.get("PYTHONPATH", "")])}
+
+
 # A run's peak of Python allocations, traced in a process of its own: in the test's process
 # tracemalloc would count every thread's, and a full session's (Ray's, the engines') are there.
 PEAK_OF_A_STAGE = """
@@ -50,8 +56,7 @@ def test_memory_stays_near_workers_times_stream_block(s3, s3_env, tmp_path):
     fs.pipe_file(f"{bucket}/m/big.bin", pattern(size, 1))
     fs.pipe_file(f"{bucket}/tiny/x.bin", b"x")
     workers, part_size = 3, 16 << 20
-    env = {**os.environ, **s3_env,
-           "PYTHONPATH": os.pathsep.join([str(REPO / "workloads"), os.environ.get("PYTHONPATH", "")])}
+    env = _child_env(s3_env)
 
     def peak_of(prefix: str) -> int:
         run = subprocess.run([sys.executable, "-c", PEAK_OF_A_STAGE, f"s3://{bucket}/{prefix}", str(tmp_path / prefix),
@@ -181,8 +186,7 @@ def test_kill_mid_file_then_resume(s3, s3_env, tmp_path):
     fs.pipe({f"{bucket}/r/small/f{i:03d}": b"%03d" % i for i in range(50)})
     uri = f"s3://{bucket}/r"
     dst = tmp_path / "dst"
-    env = {**os.environ, **s3_env,
-           "PYTHONPATH": os.pathsep.join([str(REPO / "workloads"), os.environ.get("PYTHONPATH", "")])}
+    env = _child_env(s3_env)
     proc = subprocess.Popen([sys.executable, "-m", "kuberl.cli.stage", uri, str(dst), "--workers", "1",
                              "--part-size", "1MiB"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
