@@ -3,7 +3,8 @@
 At most ``workers`` requests are in flight at once, each streamed in ``STREAM_BLOCK``-sized
 blocks written with ``os.pwrite`` straight into a preallocated temporary sibling
 (``.<name>.kuberl-part``), so memory stays near ``workers * STREAM_BLOCK`` whatever the part size
-(plus ``_HASH_QUEUE_BLOCKS`` blocks per large file waiting for its hashing thread).
+(plus, per large file, ``_HASH_QUEUE_BLOCKS`` blocks waiting for its hashing thread and one
+block read back for the hash).
 A transient failure mid-range retries from the first byte not yet written. A file is renamed
 into place only after its size (and the fastest checksum the store gives: ``checksums``) is
 verified, then recorded in the journal, so a rerun after a kill re-downloads nothing that was
@@ -44,12 +45,13 @@ from kuberl.storage.progress import Progress, log
 from kuberl.storage.safepath import PART_SUFFIX, checked_relpath, target_path
 from kuberl.api.uri import ParsedURI
 
-_HASH_BLOCK = 8 << 20
 # Written blocks waiting for a large file's hashing thread (_PartFile): room for the thread to
 # be off its core ~1.5 ms at a loopback stream's 2.8 GB/s; a block beyond that is read back from
 # the page cache instead (a copy at several GB/s in the hashing thread), so memory stays bounded.
 _HASH_QUEUE_BLOCKS = 4
-# What one worker holds in memory at a time: one streamed block of a range.
+# What one worker holds in memory at a time: one streamed block of a range. Also the size of
+# a hash's read-back from the page cache (_PartFile._hash_written), which happens when the
+# hashing falls behind, as under load: an 8 MiB read-back showed as 8 MiB over this bound.
 STREAM_BLOCK = 1 << 20
 _FSSPEC_BLOCK = 8 << 20
 # A large file's first GET asks for the whole object; once this many bytes have arrived, the
@@ -249,7 +251,7 @@ class _PartFile:
                 self._hasher.update(block)
                 position += len(block)
             else:
-                end = min(available, position + _HASH_BLOCK)
+                end = min(available, position + STREAM_BLOCK)
                 self._hasher.update(os.pread(self._fd, end - position, position))
                 position = end
             with self._lock:
