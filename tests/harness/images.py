@@ -410,20 +410,26 @@ def import_into(ctrs: list[list[str]], image: str, name: str, logs: list[Path]) 
         with log.open("a") as out:
             out.write(f"$ {' '.join(argv)}\n")
         imports.append((subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log.open("a"), stderr=subprocess.STDOUT), log))
+    sent = False
     try:
         oci_stream.send_oci_layouts(save.stdout, name, [proc.stdin for proc, _ in imports], present)
+        sent = True
     except BrokenPipeError:  # an import died: its exit status and log say why
-        save.kill()
+        pass
     finally:
+        # However the stream ended (an error of its own too), each import sees its input end and
+        # exits before the held names go.
+        if not sent:
+            save.kill()
         for proc, _ in imports:
             try:
                 proc.stdin.close()
             except BrokenPipeError:
                 pass
-    failed = [log for proc, log in imports if proc.wait() != 0]
-    for ctr, log, holds in zip(ctrs, logs, holding):
-        if holds:  # --sync: the old image's own layers are free when this returns (the room checks)
-            _ctr_logged([*ctr, "-n", "k8s.io", "images", "rm", "--sync", held], log)
+        failed = [log for proc, log in imports if proc.wait() != 0]
+        for ctr, log, holds in zip(ctrs, logs, holding):
+            if holds:  # --sync: the old image's own layers are free when this returns (the room checks)
+                _ctr_logged([*ctr, "-n", "k8s.io", "images", "rm", "--sync", held], log)
     if save.wait() != 0 or failed:
         tails = "".join(f"\n--- the end of {log} ---\n{_log_tail(log)}" for log in failed or logs[:1])
         raise ImageError(f"importing {name} into containerd failed{tails}")

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.harness import images
+from tests.harness import images, oci_stream
 from tests.harness.nodes import NodeStores, RealNode, host_tools_missing
 
 
@@ -160,3 +160,24 @@ def test_a_reimport_holds_the_image_it_replaces_until_the_new_one_is_unpacked(tm
     assert first == []  # a new name: nothing to hold
     assert sorted(second) == sorted([images.PAUSE_IMAGE, held]), (tmp_path / "import.log").read_text()
     assert after == [images.PAUSE_IMAGE]
+
+
+def test_an_import_whose_stream_fails_lets_go_of_the_held_name(tmp_path, monkeypatch):
+    """An error in the stream itself (not an import's: a bad archive) still ends every import and
+    removes the held second name: the node keeps the image the name had, and nothing else."""
+    if os.geteuid() != 0 or host_tools_missing():
+        pytest.skip("needs root, containerd and podman (`bash .ci/setup --tests`)")
+    images.build(())
+    node = RealNode("real-node-0", 0, "10.240.0.10", tmp_path / "node")
+    node.directory.mkdir()
+
+    def bad_archive(*args):
+        raise oci_stream.ArchiveError("not a docker archive")
+
+    with _containerd(node) as ctr:
+        images.import_into([node.ctr()], images.PAUSE_IMAGE, images.PAUSE_IMAGE, [tmp_path / "import.log"])
+        monkeypatch.setattr(oci_stream, "send_oci_layouts", bad_archive)
+        with pytest.raises(oci_stream.ArchiveError):
+            images.import_into([node.ctr()], images.PAUSE_IMAGE, images.PAUSE_IMAGE, [tmp_path / "import.log"])
+        after = subprocess.run([*ctr, "images", "ls", "-q"], check=True, capture_output=True, text=True).stdout.split()
+    assert after == [images.PAUSE_IMAGE], (tmp_path / "import.log").read_text()
