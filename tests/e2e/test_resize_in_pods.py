@@ -5,7 +5,8 @@ pods costs a minute or more of CI, and each scenario needs a second rollout pod 
 A live resize: patched to rollout.replicas 2 after its first step, KubeRay starts a second rollout
 pod and its engine joins at a step boundary with the current weights.
 
-That second rollout pod then killed (`--force`) mid-generation: the driver re-sends the lost
+That second rollout pod then killed mid-generation (deleted with `--force`, and its processes
+SIGKILLed on its node at once, as a node's crash would): the driver re-sends the lost
 engine's prompts to the other engine, the job never leaves Running, its step counter never goes
 back, nothing is restored, the engine started for KubeRay's replacement pod joins and serves, and
 the reward still rises. The kill waits for the driver to show `generate` in
@@ -34,6 +35,7 @@ failure names the kept evidence (tests/e2e/evidence.py), whose driver log shows 
 
 from __future__ import annotations
 
+import datetime
 import re
 import statistics
 import time
@@ -88,6 +90,16 @@ def newest_step_line(product, job: str) -> int:
             f.seek(max(0, path.stat().st_size - 65536))  # a step line every few seconds: the tail holds it
             newest = max([newest, *(n for n, _ in logged_steps(f.read().decode(errors="replace")))])
     return newest
+
+
+def step_logged_at(product, job: str, n: int) -> float:
+    """When the driver logged step ``n``'s line (its log's timestamps: the host's clock, as pods'
+    are here), in seconds since the epoch."""
+    for path in product.evidence.driver_logs(job):
+        for line in path.read_text(errors="replace").splitlines():
+            if (m := STEP_LINE.search(line)) and int(m.group(1)) == n and "step_seconds=" in line:
+                return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    raise AssertionError(f"no line for step {n} in the driver's log")
 
 
 def logged_steps(log: str) -> list[tuple[int, dict[str, float]]]:
@@ -188,11 +200,17 @@ def test_rollout_pool_1_2_1_with_a_pod_killed_mid_generation_costs_no_step_and_i
     # its weight sync last), so the generation that follows has all its seconds to be cut short.
     # Killed as status showed `generate` (2 s into it, then kubectl's poll), the kubelet's stop and
     # Ray's report of the dead actor (5-6 s at load 110-130) let that generation end first: the
-    # engine was lost in the weight sync after it (2026-11-26 21:01 UTC).
+    # engine was lost in the weight sync after it (2026-11-26 21:01 UTC). Killed at the step line
+    # by `kubectl delete --force` alone, the pod's processes got their SIGTERM 5.3 s after the line
+    # and their SIGKILL 2 s later (the kubelet's least grace), while Ray drained the node and the
+    # engine on it ran on: it had finished its share, and was lost in the weight sync again
+    # (2026-11-29 01:30 UTC, the landing's CI). So the pod is deleted and its processes SIGKILLed
+    # on its node at once (Cluster.pod_crash), as a node's crash would.
     running.wait("the driver generating on both engines",
                  lambda s: step(s) >= joined_at and activity(s) == "generate", interval=0.2)
     pods = rollout_pods(product, JOB)
     [victim] = [p for p in pods if p != first]
+    crash = product.cluster.pod_crash(NAMESPACE, victim)
     shown = newest_step_line(product, JOB)
 
     def next_step_line() -> int | None:
@@ -201,8 +219,10 @@ def test_rollout_pool_1_2_1_with_a_pod_killed_mid_generation_costs_no_step_and_i
 
     killed_at = wait_for("the driver's next step line", next_step_line, product.cluster, timeout=TIMEOUT_S, interval=0.1)
     product.kubectl("delete", "pod", victim, "-n", NAMESPACE, "--grace-period=0", "--force", "--wait=false")
+    crash()
     killed = time.monotonic()
-    record_timing("rollout pod killed: as the driver logged step", f"{killed_at}")
+    record_timing("rollout pod killed: as the driver logged step / seconds after the line",
+                  f"{killed_at} / {time.time() - step_logged_at(product, JOB, killed_at):.1f} s")
     status = running.wait("the lost engine's replacement joined", lambda s: recoveries(s, "engineReplaced") >= 1,
                           JOIN_TIMEOUT_S, interval=2, starting=Starting(product, JOB, pods))
     record_timing("rollout pod kill -> replacement engine joined",

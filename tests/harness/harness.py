@@ -768,6 +768,34 @@ class Cluster:
     def logs(self) -> dict[str, Path]:
         return {p.name: p.log for p in self.processes}
 
+    def pod_crash(self, namespace: str, pod: str) -> Callable[[], None]:
+        """A call that SIGKILLs every process of ``pod``'s running containers on its real node at
+        once, as a node's crash or the OOM killer would: no SIGTERM first, so nothing in the pod
+        (Ray's raylet drains its node on SIGTERM) runs on after it. The pod's node and containers
+        are looked up here, ahead, so that the call is only the kills (one ctr per container).
+
+        The kubelet restarts a container that dies in a pod it still runs: delete the pod first
+        (``kubectl delete --wait=false`` returns once the API server has it), then crash it."""
+        node_name = self.kubectl("get", "pod", pod, "-n", namespace, "-o", "jsonpath={.spec.nodeName}").stdout
+        [node] = [n for n in self.real_nodes if n.name == node_name]
+        ctr = [*node.ctr(), "-n", "k8s.io"]
+        mine = (f'labels."io.kubernetes.pod.name"=={pod},labels."io.kubernetes.pod.namespace"=={namespace},'
+                f'labels."io.cri-containerd.kind"==container')
+        containers = set(subprocess.run([*ctr, "containers", "ls", "-q", mine], capture_output=True, text=True,
+                                        check=True).stdout.split())
+        tasks = subprocess.run([*ctr, "tasks", "ls"], capture_output=True, text=True, check=True).stdout.splitlines()
+        running = [line.split()[0] for line in tasks[1:] if line.split()[0] in containers and "RUNNING" in line]
+        assert running, f"pod {namespace}/{pod} has no running container on {node_name}"
+
+        def crash() -> None:
+            kills = [subprocess.Popen([*ctr, "tasks", "kill", "--all", "--signal", "SIGKILL", task],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for task in running]
+            for task, kill in zip(running, kills):
+                out, _ = kill.communicate(timeout=60)
+                # "not found": the task ended first (the kubelet's SIGTERM ended the container).
+                assert kill.returncode == 0 or "not found" in out, f"SIGKILL of container {task} of pod {pod}: {out}"
+        return crash
+
     def api_client(self):
         """A `kubernetes` ApiClient authenticated as cluster admin (system:masters)."""
         if self._api_client is None:
