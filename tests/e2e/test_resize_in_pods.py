@@ -5,13 +5,14 @@ pods costs a minute or more of CI, and each scenario needs a second rollout pod 
 A live resize: patched to rollout.replicas 2 after its first step, KubeRay starts a second rollout
 pod and its engine joins at a step boundary with the current weights.
 
-That second rollout pod then killed mid-generation (deleted with `--force`, and its processes
-SIGKILLed on its node at once, as a node's crash would): the driver re-sends the lost
+That second rollout pod then crashed mid-generation (every process of it SIGKILLed on its node
+at once, as a node's crash would, then the pod deleted with `--force`): the driver re-sends the lost
 engine's prompts to the other engine, the job never leaves Running, its step counter never goes
 back, nothing is restored, the engine started for KubeRay's replacement pod joins and serves, and
 the reward still rises. The kill waits for the driver to show `generate` in
-status.progress.activity (shown once a phase has lasted 2 s), then for its next step line, and
-the job's generation is made long enough for the kill to land in the one that follows: its engines run one sequence at a time
+status.progress.activity (shown once a phase has lasted 2 s), then for the second engine to end
+its next weight sync (its own log, read from the node), and the job's generation is made long
+enough for the kill to land in the one that follows: its engines run one sequence at a time
 (engineArgs.maxNumSeqs 1), so a step generates for several seconds where it would take a fraction
 of one. With steps that long the job learns faster (learningRate 3e-3, the embedded tiny job's),
 so the reward rises within the few steps before the replacement joins. Without the wait, a kill
@@ -35,7 +36,6 @@ failure names the kept evidence (tests/e2e/evidence.py), whose driver log shows 
 
 from __future__ import annotations
 
-import datetime
 import re
 import statistics
 import time
@@ -92,14 +92,11 @@ def newest_step_line(product, job: str) -> int:
     return newest
 
 
-def step_logged_at(product, job: str, n: int) -> float:
-    """When the driver logged step ``n``'s line (its log's timestamps: the host's clock, as pods'
-    are here), in seconds since the epoch."""
-    for path in product.evidence.driver_logs(job):
-        for line in path.read_text(errors="replace").splitlines():
-            if (m := STEP_LINE.search(line)) and int(m.group(1)) == n and "step_seconds=" in line:
-                return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    raise AssertionError(f"no line for step {n} in the driver's log")
+def syncs_ended(on_node) -> int:
+    """The weight syncs the pod's engine has ended: vLLM's EngineCore logs `setting pause state to
+    UNPAUSED` as it resumes after each, into its actor's worker log in the pod's /tmp/ray."""
+    return sum(path.read_bytes().count(b"setting pause state to UNPAUSED")
+               for path in on_node.files("tmp/ray/session_2*/logs/worker-*"))
 
 
 def logged_steps(log: str) -> list[tuple[int, dict[str, float]]]:
@@ -195,34 +192,34 @@ def test_rollout_pool_1_2_1_with_a_pod_killed_mid_generation_costs_no_step_and_i
     assert (status["rollout"]["replicas"], status["rollout"]["enginePods"]) == (2, [first]), status
     joined_at = step(status)
 
-    # The second pod killed early in a generation on both engines: once status shows the driver
-    # generating after the join, at the driver's next step line (a step's generation comes first,
-    # its weight sync last), so the generation that follows has all its seconds to be cut short.
+    # The second pod killed early in a generation on both engines: 1 s after its engine has ended a
+    # weight sync, as the engine logs it in the pod (read from the node: no log stream's lag), so
+    # the generation that follows has its seconds to be cut short (about 4-7 s for its share).
     # Killed as status showed `generate` (2 s into it, then kubectl's poll), the kubelet's stop and
     # Ray's report of the dead actor (5-6 s at load 110-130) let that generation end first: the
-    # engine was lost in the weight sync after it (2026-11-26 21:01 UTC). Killed at the step line
-    # by `kubectl delete --force` alone, the pod's processes got their SIGTERM 5.3 s after the line
-    # and their SIGKILL 2 s later (the kubelet's least grace), while Ray drained the node and the
-    # engine on it ran on: it had finished its share, and was lost in the weight sync again
-    # (2026-11-29 01:30 UTC, the landing's CI). So the pod is deleted and its processes SIGKILLed
-    # on its node at once (Cluster.pod_crash), as a node's crash would.
+    # engine was lost in the weight sync after it (2026-11-26 21:01 UTC). Killed at the driver's
+    # step line by `kubectl delete --force`, the pod's processes got their SIGTERM 5.3 s after the
+    # line and their SIGKILL 2 s later (the kubelet's least grace), while Ray drained the node and
+    # the engine on it ran on: it had finished its share, and was lost in the weight sync
+    # (2026-11-29 01:30 UTC, the landing's CI). Crashed from its node at the step line as the test
+    # saw it (2.9 s after it, passed), the line came through the driver's log stream 10.1 s late
+    # once (2026-11-29 03:24 UTC, lost in the sync again). So: the engine's own log, and a crash.
     running.wait("the driver generating on both engines",
                  lambda s: step(s) >= joined_at and activity(s) == "generate", interval=0.2)
     pods = rollout_pods(product, JOB)
     [victim] = [p for p in pods if p != first]
-    crash = product.cluster.pod_crash(NAMESPACE, victim)
-    shown = newest_step_line(product, JOB)
-
-    def next_step_line() -> int | None:
-        newest = newest_step_line(product, JOB)
-        return newest if newest > shown else None
-
-    killed_at = wait_for("the driver's next step line", next_step_line, product.cluster, timeout=TIMEOUT_S, interval=0.1)
-    product.kubectl("delete", "pod", victim, "-n", NAMESPACE, "--grace-period=0", "--force", "--wait=false")
-    crash()
+    on_node = product.cluster.pod_on_node(NAMESPACE, victim)
+    synced = syncs_ended(on_node)
+    wait_for("the second engine's next weight sync ended", lambda: syncs_ended(on_node) > synced, product.cluster,
+             timeout=TIMEOUT_S, interval=0.05)
+    synced_at = time.monotonic()
+    time.sleep(1)  # the engine's reply to the sync on its way; the step's generation starting
+    on_node.crash()
     killed = time.monotonic()
-    record_timing("rollout pod killed: as the driver logged step / seconds after the line",
-                  f"{killed_at} / {time.time() - step_logged_at(product, JOB, killed_at):.1f} s")
+    product.kubectl("delete", "pod", victim, "-n", NAMESPACE, "--grace-period=0", "--force", "--wait=false")
+    killed_at = newest_step_line(product, JOB)  # the log stream's lag can only make it lower
+    record_timing("rollout pod crashed: after its engine's weight sync, at driver log line",
+                  f"{killed - synced_at:.1f} s, step {killed_at}")
     status = running.wait("the lost engine's replacement joined", lambda s: recoveries(s, "engineReplaced") >= 1,
                           JOIN_TIMEOUT_S, interval=2, starting=Starting(product, JOB, pods))
     record_timing("rollout pod kill -> replacement engine joined",

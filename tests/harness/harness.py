@@ -768,33 +768,20 @@ class Cluster:
     def logs(self) -> dict[str, Path]:
         return {p.name: p.log for p in self.processes}
 
-    def pod_crash(self, namespace: str, pod: str) -> Callable[[], None]:
-        """A call that SIGKILLs every process of ``pod``'s running containers on its real node at
-        once, as a node's crash or the OOM killer would: no SIGTERM first, so nothing in the pod
-        (Ray's raylet drains its node on SIGTERM) runs on after it. The pod's node and containers
-        are looked up here, ahead, so that the call is only the kills (one ctr per container).
-
-        The kubelet restarts a container that dies in a pod it still runs: delete the pod first
-        (``kubectl delete --wait=false`` returns once the API server has it), then crash it."""
+    def pod_on_node(self, namespace: str, pod: str) -> "PodOnNode":
+        """``pod``'s running containers on its real node, looked up now: to read what they write
+        and to crash them from the host, without kubectl's or the kubelet's latency."""
         node_name = self.kubectl("get", "pod", pod, "-n", namespace, "-o", "jsonpath={.spec.nodeName}").stdout
         [node] = [n for n in self.real_nodes if n.name == node_name]
         ctr = [*node.ctr(), "-n", "k8s.io"]
-        mine = (f'labels."io.kubernetes.pod.name"=={pod},labels."io.kubernetes.pod.namespace"=={namespace},'
-                f'labels."io.cri-containerd.kind"==container')
-        containers = set(subprocess.run([*ctr, "containers", "ls", "-q", mine], capture_output=True, text=True,
-                                        check=True).stdout.split())
+        mine = f'labels."io.kubernetes.pod.name"=={pod},labels."io.kubernetes.pod.namespace"=={namespace}'
+        ids = set(subprocess.run([*ctr, "containers", "ls", "-q", mine], capture_output=True, text=True,
+                                 check=True).stdout.split())
         tasks = subprocess.run([*ctr, "tasks", "ls"], capture_output=True, text=True, check=True).stdout.splitlines()
-        running = [line.split()[0] for line in tasks[1:] if line.split()[0] in containers and "RUNNING" in line]
+        running = [line.split()[0] for line in tasks[1:] if line.split()[0] in ids and "RUNNING" in line]
         assert running, f"pod {namespace}/{pod} has no running container on {node_name}"
-
-        def crash() -> None:
-            kills = [subprocess.Popen([*ctr, "tasks", "kill", "--all", "--signal", "SIGKILL", task],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for task in running]
-            for task, kill in zip(running, kills):
-                out, _ = kill.communicate(timeout=60)
-                # "not found": the task ended first (the kubelet's SIGTERM ended the container).
-                assert kill.returncode == 0 or "not found" in out, f"SIGKILL of container {task} of pod {pod}: {out}"
-        return crash
+        return PodOnNode(pod, ctr, [node.directory / "containerd-state" / "io.containerd.runtime.v2.task" / "k8s.io" / task
+                                    / "rootfs" for task in running], running)
 
     def api_client(self):
         """A `kubernetes` ApiClient authenticated as cluster admin (system:masters)."""
@@ -846,6 +833,30 @@ class Cluster:
         import kubernetes
 
         return kubernetes.config.new_client_from_config(config_file=str(self.service_account_kubeconfig(namespace, name)))
+
+
+class PodOnNode:
+    """A pod's running containers (the sandbox's too) on its real node, seen from the host."""
+
+    def __init__(self, pod: str, ctr: list[str], roots: list[Path], tasks: list[str]):
+        self.pod, self.ctr, self.roots, self.tasks = pod, ctr, roots, tasks
+
+    def files(self, pattern: str) -> list[Path]:
+        """The files matching ``pattern`` (a glob relative to a container's /) in any of them."""
+        return [path for root in self.roots for path in root.glob(pattern)]
+
+    def crash(self) -> None:
+        """SIGKILL every process of the pod at once, its sandbox's too, as a node's crash would:
+        no SIGTERM first, so nothing in it runs on (Ray's raylet drains its node on SIGTERM; a
+        `kubectl delete --force` gives the SIGKILL 2 s after the SIGTERM). With the sandbox gone
+        the kubelet would rebuild the pod from its init containers before it restarted anything:
+        a deletion right after the crash cancels that."""
+        kills = [subprocess.Popen([*self.ctr, "tasks", "kill", "--all", "--signal", "SIGKILL", task],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for task in self.tasks]
+        for task, kill in zip(self.tasks, kills):
+            out, _ = kill.communicate(timeout=60)
+            # "not found": the task had ended (with the sandbox's, or on its own).
+            assert kill.returncode == 0 or "not found" in out, f"SIGKILL of container {task} of pod {self.pod}: {out}"
 
 
 def _tcp_ok(port: int) -> bool:
