@@ -702,8 +702,8 @@ class Cluster:
         realnodes.remove_named_namespaces(pod_namespaces)
         realnodes.unmount_below(self.workdir)
         for node in self.real_nodes:
-            for heavy in ("containerd-root", "containerd-state", "kubelet"):
-                shutil.rmtree(node.directory / heavy, ignore_errors=True)
+            for heavy in (node.directory / "containerd-root", node.state, node.directory / "kubelet"):
+                shutil.rmtree(heavy, ignore_errors=True)
         if self._stores:
             self._stores.release()
         if self._saved_kernel_tunables:
@@ -778,10 +778,10 @@ class Cluster:
         ids = set(subprocess.run([*ctr, "containers", "ls", "-q", mine], capture_output=True, text=True,
                                  check=True).stdout.split())
         tasks = subprocess.run([*ctr, "tasks", "ls"], capture_output=True, text=True, check=True).stdout.splitlines()
-        running = [line.split()[0] for line in tasks[1:] if line.split()[0] in ids and "RUNNING" in line]
+        running = [task for task, _pid, status in (line.split()[:3] for line in tasks[1:])
+                   if task in ids and status == "RUNNING"]
         assert running, f"pod {namespace}/{pod} has no running container on {node_name}"
-        return PodOnNode(pod, ctr, [node.directory / "containerd-state" / "io.containerd.runtime.v2.task" / "k8s.io" / task
-                                    / "rootfs" for task in running], running)
+        return PodOnNode(pod, ctr, [node.rootfs(task) for task in running], running)
 
     def api_client(self):
         """A `kubernetes` ApiClient authenticated as cluster admin (system:masters)."""

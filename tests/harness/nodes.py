@@ -415,6 +415,15 @@ class RealNode:
         return self.directory / "containerd.sock"
 
     @property
+    def state(self) -> Path:
+        """containerd's state directory: its running tasks, their root filesystems mounted."""
+        return self.directory / "containerd-state"
+
+    def rootfs(self, task: str) -> Path:
+        """The root filesystem of the running container ``task`` (of the kubelet's namespace)."""
+        return self.state / "io.containerd.runtime.v2.task" / "k8s.io" / task / "rootfs"
+
+    @property
     def cgroup(self) -> str:
         return self.name
 
@@ -450,7 +459,7 @@ class RealNode:
             disabled.append("io.containerd.grpc.v1.cri")
         config.write_text(f"""version = 2
 root = "{self.root}"
-state = "{self.directory / 'containerd-state'}"
+state = "{self.state}"
 disabled_plugins = {json.dumps(disabled)}
 [grpc]
   address = "{self.socket}"
