@@ -4,14 +4,15 @@ The session's one-engine pool is grown to two (one engine start), the new engine
 ``ray.kill`` while a batch is out, and the batch still comes back whole from the engine left;
 then the pool starts a replacement (a second start), which joins at the step boundary, gets the
 current weights through a rebuilt nccl (gloo) sync group, and serves with that weight version.
-Each test gives the pool's engines back with the initial weights; the second engine, the first
-test's replacement, is the next test's victim (an engine start is most of a test's time), and the
-module gives the pool back as it found it: one engine.
+The first test then drops that replacement as Ray would report a broken connection to it, and
+the pool kills it. Each test gives the pool's engines back with the initial weights, and the module
+gives the pool back as it found it: one engine.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import ray
@@ -50,12 +51,19 @@ def one_engine_after(pool):
 
 
 def second_engine(pool, original):
-    """The pool at two engines (a start unless the last test left its replacement running); returns
-    the second, the victim."""
+    """The pool at two engines (one engine start); returns the second, the victim."""
     pool.resize(2)
     pool.replenish(timeout=START_TIMEOUT)
     assert len(pool.engines) == 2 and pool.engines[0] is original, "the second engine did not start in time"
     return pool.engines[1]
+
+
+def dead(engine) -> bool:
+    try:
+        ray.get(engine.weight_version.remote(), timeout=30)
+    except ray.exceptions.ActorDiedError:
+        return True
+    return False
 
 
 def restore_the_weights(pool, trainer, sync, *, noise_seed: int) -> None:
@@ -124,6 +132,20 @@ def test_a_lost_engines_share_is_regenerated_and_its_replacement_serves_the_curr
         counts = pool.take_counts()
         assert counts.pop("engine_replacement_seconds") > 0  # from the kill to the replacement joined
         assert counts == {"engines_lost": 0.0, "engines_replaced": 1.0, "engine_replacements": 1.0, "engines_live": 2.0}
+
+        # Ray raises ActorUnavailableError for a broken connection to an engine that lives on, as
+        # for a crashed pod. The pool drops such an engine and kills it, so that it holds no slot
+        # (here a logical CPU; in a pod the GPU its replacement needs) outside every sync group.
+        free_cpus = ray.available_resources().get("CPU", 0)
+        pool.drop(replacement, ray.exceptions.ActorUnavailableError("connection reset (the test's)", None))
+        assert pool.engines == [original]
+        deadline = time.monotonic() + 60  # ray.kill returns before the actor is gone
+        while not dead(replacement) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert dead(replacement), "the dropped engine still answers 60 s after the drop"
+        while ray.available_resources().get("CPU", 0) < free_cpus + 1 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert ray.available_resources().get("CPU", 0) >= free_cpus + 1, "the dropped engine still holds its CPU"
     finally:
         restore_the_weights(pool, trainer, sync, noise_seed=5)
 

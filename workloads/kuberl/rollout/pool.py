@@ -158,7 +158,11 @@ class EnginePool:
         return tuple(self.engines)
 
     def drop(self, engine, cause: BaseException) -> None:
-        """``engine``'s actor is gone (``cause``): out of the live set, counted and logged once."""
+        """``engine`` failed a call (``cause``): out of the live set, killed, counted and logged once.
+
+        The kill is for the engine that Ray reports unreachable while it lives on: Ray raises the
+        same ``ActorUnavailableError`` for a broken connection as for a crashed pod, and such an
+        engine would hold its slot and GPU, which its replacement needs, and stay in no group."""
         with self._lock:
             if engine not in self._slots:
                 return
@@ -166,6 +170,7 @@ class EnginePool:
             self.engines = [e for e in self.engines if e is not engine]
             self.lost += 1
             self._lost_at.append(time.monotonic())
+        ray.kill(engine, no_restart=True)
         logger.warning("rollout engine %d lost (%s: %s); %d of %d engines live", index, type(cause).__name__,
                        str(cause).splitlines()[0] if str(cause) else "", len(self.engines), self.wanted)
 

@@ -108,7 +108,6 @@ class NcclWeightSync(WeightSync):
             if deadline is not None and time.monotonic() > deadline:
                 for ref in pending:  # still in the aborted collective: not to be trusted with weights
                     engine = calls[ref]
-                    ray.kill(engine)
                     self.engine_pool.drop(engine, TimeoutError(
                         f"still in the aborted weight sync {ABORT_GRACE_S:.0f} s after it failed; killed"))
                     lost.append(engine)
