@@ -59,10 +59,13 @@ def second_engine(pool, original):
 
 
 def dead(engine) -> bool:
+    """Whether Ray reports ``engine`` dead (unreachable is not known yet)."""
     try:
         ray.get(engine.weight_version.remote(), timeout=30)
     except ray.exceptions.ActorDiedError:
         return True
+    except ray.exceptions.ActorUnavailableError:
+        pass
     return False
 
 
