@@ -2,22 +2,13 @@
 load and restore, each checked against the saved state) and writes the JSON it promises. No
 timing assertions: the numbers mean something only at the default size."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "checkpoint.py"
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("kuberl_bench_checkpoint", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.unit.bench.scripts import load_bench
 
 
 def test_checkpoint_bench_smoke(tmp_path, capsys):
-    bench = _load_bench()
+    bench = load_bench("checkpoint.py")
     out = tmp_path / "out.json"
     work = tmp_path / "disk"
     work.mkdir()

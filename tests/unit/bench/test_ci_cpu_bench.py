@@ -1,20 +1,11 @@
 """bench/ci_cpu.py's parts: what names a process, and the CPU a run is charged, from a /proc tree
 written by the test. The bench itself runs CI for an hour; docs/development.md has its numbers."""
 
-import importlib.util
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "ci_cpu.py"
+from tests.unit.bench.scripts import load_bench
 
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("kuberl_bench_ci_cpu", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = load_bench("ci_cpu.py")
 
 
 def test_a_process_is_named_by_its_title_module_script_or_program():
