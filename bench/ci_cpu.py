@@ -69,6 +69,11 @@ def busy_ticks(stat_line: str) -> int:
     return sum(fields[:8]) - fields[3] - fields[4]
 
 
+def machine_busy_ticks(proc: Path = Path("/proc")) -> int:
+    """The machine's busy ticks since boot, all cores."""
+    return busy_ticks((proc / "stat").read_text().splitlines()[0])
+
+
 def process_ticks(stat: str) -> tuple[int, str]:
     """(user + system ticks, start time) of one ``/proc/<pid>/stat``; the name may hold spaces
     and parentheses, so the fields are counted from the last ``)``."""
@@ -94,7 +99,7 @@ class Sampler:
             try:
                 ticks, started = process_ticks((entry / "stat").read_text())
                 argv = [a for a in (entry / "cmdline").read_bytes().decode(errors="replace").split("\0") if a]
-                comm = (entry / "comm").read_text().strip()
+                comm = "" if argv else (entry / "comm").read_text().strip()  # needed only without argv
             except OSError:  # gone between the listing and the read
                 continue
             key = (entry.name, started)
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count() or 1
     sampler = Sampler()
     sampler.sample(baseline=True)
-    busy_start, started = busy_ticks(Path("/proc/stat").read_text().splitlines()[0]), time.monotonic()
+    busy_start, started = machine_busy_ticks(), time.monotonic()
     command = subprocess.Popen(args.command, start_new_session=True)
     try:
         while command.poll() is None:
@@ -131,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         command.wait()
     sampler.sample()
     wall = time.monotonic() - started
-    busy = (busy_ticks(Path("/proc/stat").read_text().splitlines()[0]) - busy_start) / TICKS_PER_SECOND
+    busy = (machine_busy_ticks() - busy_start) / TICKS_PER_SECOND
     by_kind = sampler.seconds_by_kind()
     floor = busy / cores
 

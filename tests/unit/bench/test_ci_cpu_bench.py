@@ -24,16 +24,21 @@ def test_a_process_is_named_by_its_title_module_script_or_program():
     assert bench.kind([], "kworker/0:1") == "[kworker/0:1]"
 
 
+def _stat(pid: int, name: str, user: int, system: int, started: int) -> str:
+    """A ``/proc/<pid>/stat`` line: the fields after the name, utime and stime the 12th and 13th,
+    starttime the 20th."""
+    fields = ["S"] + ["0"] * 10 + [str(user), str(system)] + ["0"] * 6 + [str(started)]
+    return f"{pid} ({name}) " + " ".join(fields)
+
+
 def test_a_name_with_spaces_and_parentheses_does_not_shift_the_fields():
-    fields = ["S"] + ["0"] * 10 + ["150", "50"] + ["0"] * 6 + ["12345"]
-    assert bench.process_ticks("42 (a) (b c) " + " ".join(fields)) == (200, "12345")
+    assert bench.process_ticks(_stat(42, "a) (b c", 150, 50, 12345)) == (200, "12345")
 
 
 def _process(proc: Path, pid: int, argv: list[str], ticks: int, started: int = 1000) -> None:
     entry = proc / str(pid)
     entry.mkdir(exist_ok=True)
-    fields = ["S"] + ["0"] * 10 + [str(ticks), "0"] + ["0"] * 6 + [str(started)]
-    (entry / "stat").write_text(f"{pid} (x) " + " ".join(fields))
+    (entry / "stat").write_text(_stat(pid, "x", ticks, 0, started))
     (entry / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
     (entry / "comm").write_text("x\n")
 
