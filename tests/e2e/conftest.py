@@ -133,12 +133,18 @@ def record_timing(what: str, value: str) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """A failed test's report names the kept evidence (tests/e2e/evidence.py) and ends with the
-    driver's log, taken before the fixture's teardown deletes the jobs."""
+    driver's log, taken before anything is deleted. Then the jobs the test left running go: the
+    package's other tests share the nodes' CPUs, and a job running on would starve the next test's
+    pods (a failed preemption test's job kept a resize test's second pod Pending, 2026-11-29)."""
     outcome = yield
     report = outcome.get_result()
     product = getattr(item, "funcargs", {}).get("product")
     if report.failed and call.when == "call" and product is not None:
         report.sections.append(("kuberl e2e evidence", product.evidence.keep(item.name)))
+        try:
+            product.clear_jobs()
+        except Exception as exc:  # the report says so; the next test's own wait then names what it lacks
+            report.sections.append(("kuberl e2e cleanup", f"clearing the failed test's jobs: {exc}"))
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -107,6 +107,7 @@ class PodLogs:
                 continue
             self._followed.add(key)
             path = self.directory / f"{pod.metadata.name}.{status.name}.{status.restart_count}.log"
+            path.touch()  # before a test can see it as a driver's log: its follower opens it later
             submitter = (pod.metadata.labels or {}).get(SUBMITTER_LABEL)
             if submitter and status.restart_count == 0:
                 self._drivers.append((submitter, path))
